@@ -1,0 +1,408 @@
+"""The fabric: a topology made real as network namespaces, veth rails and rail switches.
+
+The model follows Mininet's nouns: a ``Host`` (a namespace), an ``Intf`` (one end of a veth), a
+``Link`` (a host's attachment to a rail, with both directions shaped) and a ``Rail`` (every link of
+one rail, behind one Linux bridge in its own namespace). Faults and measurements act only through
+these handles; nothing outside this module builds an interface name.
+
+All link work goes through netlink (pyroute2). Nothing is ever added to the root namespace: each
+veth is created inside its host's namespace with its peer placed straight into the switch's.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
+from typing import Callable, Iterator, Optional, Sequence
+
+from pyroute2 import IPRoute
+
+from . import netns
+from .capabilities import Capabilities, probe
+from .errors import FabricError
+from .shaping import DirectionShaper
+from .spec import Shape, Topology, check_capabilities
+from .state import RunState
+
+log = logging.getLogger(__name__)
+BRIDGE = "br0"   # the rail switch's bridge, inside the switch namespace
+
+
+def _intf(ns: str, name: str, ipr: IPRoute) -> "Intf":
+    found = ipr.link_lookup(ifname=name)
+    if not found:
+        raise FabricError(f"interface {name} missing in namespace {ns}")
+    return Intf(ns, name, ipr, found[0])
+
+
+@dataclass
+class Intf:
+    """One end of a veth: the namespace it lives in, its name there, and a netlink handle."""
+
+    ns: str
+    name: str
+    ipr: IPRoute
+    index: int = 0
+
+    def set_up(self, up: bool) -> None:
+        self.ipr.link("set", index=self.index, state="up" if up else "down")
+
+    def operstate(self) -> str:
+        return self.ipr.get_links(self.index)[0].get_attr("IFLA_OPERSTATE")
+
+    def is_up(self) -> bool:
+        link = self.ipr.get_links(self.index)[0]
+        return bool(link["flags"] & 1)
+
+    def counters(self) -> dict:
+        """Kernel byte/packet counters of this end (IFLA_STATS64)."""
+        stats = self.ipr.get_links(self.index)[0].get_attr("IFLA_STATS64")
+        return {k: stats[k] for k in ("rx_bytes", "tx_bytes", "rx_packets", "tx_packets",
+                                      "rx_dropped", "tx_dropped")}
+
+
+@dataclass
+class Host:
+    """A virtual host: one namespace, one interface per rail."""
+
+    name: str
+    ns: str
+    ipr: IPRoute
+    addresses: dict[str, str] = field(default_factory=dict)  # rail -> address
+    processes: list[subprocess.Popen] = field(default_factory=list)
+
+    def command(self, argv: Sequence[str]) -> list[str]:
+        return netns.command(self.ns, argv)
+
+    def popen(self, argv: Sequence[str], **kwargs) -> subprocess.Popen:
+        proc = netns.popen(self.ns, argv, **kwargs)
+        self.processes.append(proc)
+        return proc
+
+    def run(self, argv: Sequence[str], **kwargs) -> subprocess.CompletedProcess:
+        return netns.run(self.ns, argv, **kwargs)
+
+
+@dataclass
+class Link:
+    """A host's attachment to a rail. ``host_end`` lives in the host, ``peer_end`` in the rail
+    switch (or, with direct wiring, in the other host). Shaping applies in both directions."""
+
+    name: str                       # "h2.r1"
+    host: str
+    rail: str
+    host_end: Intf
+    peer_end: Intf
+    shape: Shape
+    up_shaper: DirectionShaper      # host -> switch
+    down_shaper: DirectionShaper    # switch -> host
+
+    def set_state(self, up: bool, end: str = "both") -> float:
+        """Link down/up at one end ("host", "switch") or both; returns when the kernel acked."""
+        ends = {"host": [self.host_end], "switch": [self.peer_end],
+                "both": [self.host_end, self.peer_end]}
+        if end not in ends:
+            raise ValueError(f"end must be host, switch or both, not {end!r}")
+        for intf in ends[end]:
+            intf.set_up(up)
+        return time.monotonic()
+
+    def set_shape(self, shape: Shape) -> float:
+        """Change rate/loss/delay in place, both directions; read back and verified."""
+        self.up_shaper.change(shape)
+        self.down_shaper.change(shape)
+        self.shape = shape
+        return time.monotonic()
+
+    def update_shape(self, **changes) -> float:
+        return self.set_shape(replace(self.shape, **changes))
+
+    def counters(self) -> dict:
+        return self.host_end.counters()
+
+    def describe(self) -> dict:
+        return {"link": self.name, "host_if": self.host_end.name, "up": self.host_end.is_up(),
+                "shape": self.shape.describe(), "to_switch": self.up_shaper.describe(),
+                "from_switch": self.down_shaper.describe()}
+
+
+@dataclass
+class Rail:
+    """Every host's link on one rail; faults on a whole rail act on all of them."""
+
+    name: str
+    ns: Optional[str]              # the switch namespace (None with direct wiring)
+    links: list[Link]
+
+    def set_state(self, up: bool, end: str = "both") -> float:
+        for link in self.links:
+            link.set_state(up, end)
+        return time.monotonic()
+
+    def set_shape(self, shape: Shape) -> float:
+        for link in self.links:
+            link.set_shape(shape)
+        return time.monotonic()
+
+    def update_shape(self, **changes) -> float:
+        for link in self.links:
+            link.update_shape(**changes)
+        return time.monotonic()
+
+
+class Fabric:
+    """Build, control and tear down the namespaces of one topology.
+
+    Use as a context manager: the fabric is torn down on exit, on exceptions and on Ctrl-C.
+    """
+
+    def __init__(self, topo: Topology, caps: Optional[Capabilities] = None,
+                 progress: Optional[Callable[[str], None]] = None) -> None:
+        self.topo = topo
+        self.caps = caps or probe()
+        check_capabilities(topo, self.caps)
+        self.progress = progress or (lambda msg: None)
+        self.state: Optional[RunState] = None
+        self.hosts: dict[str, Host] = {}
+        self.rails: dict[str, Rail] = {}
+        self.links: dict[str, Link] = {}
+        self._ipr: dict[str, IPRoute] = {}   # namespace -> netlink socket inside it
+        self.build_seconds = 0.0
+        self.attached = False
+
+    # ---------------------------------------------------------------- lifecycle
+    def __enter__(self) -> "Fabric":
+        self.build()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.teardown()
+
+    def build(self) -> "Fabric":
+        """Create everything; on any error or interrupt, remove what was built and re-raise."""
+        t0 = time.monotonic()
+        self.state = RunState.new(self.topo.name, "pyroute2", self.topo.to_dict(),
+                                  self.topo.raw)
+        try:
+            with _sigterm_as_interrupt():
+                self._build()
+        except BaseException:
+            self.teardown()
+            raise
+        self.build_seconds = time.monotonic() - t0
+        return self
+
+    def teardown(self) -> float:
+        """Delete every namespace this run recorded; returns seconds taken."""
+        t0 = time.monotonic()
+        for host in self.hosts.values():
+            for proc in host.processes:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+        self._close()
+        if self.state is not None:
+            self.state.remove_all()
+            self.state = None
+        return time.monotonic() - t0
+
+    def detach(self) -> None:
+        """Leave the fabric up after this process exits (the `up` verb); `down` removes it."""
+        assert self.state is not None
+        self.state.detached = True
+        self.state.save()
+        self._close()
+        self.state = None
+
+    def _close(self) -> None:
+        for ipr in self._ipr.values():
+            try:
+                ipr.close()
+            except Exception:  # a socket in a deleted namespace may already be gone
+                pass
+        self._ipr.clear()
+
+    # ---------------------------------------------------------------- building
+    def _namespace(self, suffix: str) -> str:
+        assert self.state is not None
+        ns = self.state.ns_name(suffix)
+        self.state.record_namespace(ns)
+        netns.create(ns)
+        ipr = self._open(ns)
+        ipr.link("set", index=ipr.link_lookup(ifname="lo")[0], state="up")
+        return ns
+
+    def _open(self, ns: str) -> IPRoute:
+        ipr = IPRoute(netns=ns)
+        self._ipr[ns] = ipr
+        return ipr
+
+    def _build(self) -> None:
+        """Create the kernel objects, then bind handles to them and shape through the handles."""
+        topo = self.topo
+        for h in topo.hosts:
+            ns = self._namespace(h)
+            _sysctl(ns, {"net.ipv4.conf.all.rp_filter": "0", "net.ipv4.conf.default.rp_filter": "0"})
+            self.progress(f"host {h}")
+        if topo.wiring == "switch":
+            for rail in topo.rails:
+                ipr = self._ipr[self._namespace(f"sw-{rail.name}")]
+                ipr.link("add", ifname=BRIDGE, kind="bridge", br_stp_state=0, br_forward_delay=0)
+                br = ipr.link_lookup(ifname=BRIDGE)[0]
+                ipr.link("set", index=br, mtu=rail.mtu, state="up")
+        for (h, r), spec_link in topo.links.items():
+            host_ns = self.state.ns_name(h)
+            peer_ns, peer_if = self._peer_of(h, r)
+            if peer_if is None:
+                continue                      # direct wiring: the cable exists from the other side
+            host_ipr, peer_ipr = self._ipr[host_ns], self._ipr[peer_ns]
+            host_ipr.link("add", ifname=r, kind="veth", peer={"ifname": peer_if, "net_ns_fd": peer_ns})
+            self.state.record_object(kind="veth", ns=host_ns, ifname=r, peer_ns=peer_ns,
+                                     peer_ifname=peer_if)
+            hi = host_ipr.link_lookup(ifname=r)[0]
+            pi = peer_ipr.link_lookup(ifname=peer_if)[0]
+            host_ipr.link("set", index=hi, mtu=spec_link.mtu)
+            peer_ipr.link("set", index=pi, mtu=spec_link.mtu)
+            if topo.wiring == "switch":
+                peer_ipr.link("set", index=pi, master=peer_ipr.link_lookup(ifname=BRIDGE)[0])
+        self.state.save()
+        self._bind()
+        for link in self._cables():
+            link.up_shaper.apply(link.shape)
+            link.down_shaper.apply(link.shape)
+        for link in self.links.values():
+            spec_link = topo.link(link.host, link.rail)
+            self._address(link.host_end, spec_link)
+            link.set_state(True)
+        self.progress(f"{len(self.links)} links shaped and addressed")
+        self._wait_operational()
+
+    def _peer_of(self, host: str, rail: str) -> tuple[str, Optional[str]]:
+        """Where the other end of a host's rail veth lives: (namespace, name there). With direct
+        wiring the second host's end is the first host's peer, so it reports no name to create."""
+        if self.topo.wiring == "switch":
+            return self.state.ns_name(f"sw-{rail}"), host
+        first, second = self.topo.hosts
+        if host == first:
+            return self.state.ns_name(second), rail
+        return self.state.ns_name(first), None
+
+    def _bind(self) -> None:
+        """Make Host / Intf / Link / Rail handles for objects that exist (built or attached)."""
+        topo = self.topo
+        for h in topo.hosts:
+            ns = self.state.ns_name(h)
+            self.hosts[h] = Host(h, ns, self._ipr[ns],
+                                 {r.name: topo.address(h, r.name) for r in topo.rails})
+        for rail in topo.rails:
+            links = []
+            for h in topo.hosts:
+                host = self.hosts[h]
+                peer_ns, peer_if = self._peer_of(h, rail.name)
+                peer_if = peer_if or rail.name
+                host_end = _intf(host.ns, rail.name, host.ipr)
+                peer_end = _intf(peer_ns, peer_if, self._ipr[peer_ns])
+                mtu = topo.link(h, rail.name).mtu
+                up = DirectionShaper(host.ipr, host.ns, rail.name, peer_end.ipr, peer_ns, peer_if,
+                                     self.caps, mtu=mtu)
+                down = DirectionShaper(peer_end.ipr, peer_ns, peer_if, host.ipr, host.ns,
+                                       rail.name, self.caps, mtu=mtu)
+                link = Link(f"{h}.{rail.name}", h, rail.name, host_end, peer_end,
+                            topo.link(h, rail.name).shape, up, down)
+                self.links[link.name] = link
+                links.append(link)
+            if topo.wiring == "direct":   # one cable, seen from both hosts: share its shapers
+                second = links[1]
+                second.up_shaper, second.down_shaper = links[0].down_shaper, links[0].up_shaper
+            sw = self.state.ns_name(f"sw-{rail.name}") if topo.wiring == "switch" else None
+            self.rails[rail.name] = Rail(rail.name, sw, links)
+
+    def _cables(self) -> list["Link"]:
+        """One link per veth: with direct wiring both hosts' links share a cable."""
+        if self.topo.wiring == "switch":
+            return list(self.links.values())
+        return [rail.links[0] for rail in self.rails.values()]
+
+    @classmethod
+    def attach(cls, state: RunState, caps: Optional[Capabilities] = None) -> "Fabric":
+        """Handles to a fabric that another process built and left up (`up`, then `status`)."""
+        from .spec import parse
+        fab = cls(parse(state.topology_doc, default_name=state.name), caps)
+        fab.state = state
+        for ns in state.namespaces:
+            fab._open(ns)
+        fab._bind()
+        fab.attached = True
+        return fab
+
+    def _wait_operational(self, timeout: float = 5.0) -> None:
+        """Return once every veth end reports carrier (operstate UP): a link set up a moment ago
+        may still drop the first frames, which would show as phantom loss in a measurement."""
+        deadline = time.monotonic() + timeout
+        pending = [e for l in self.links.values() for e in (l.host_end, l.peer_end)]
+        while pending:
+            pending = [e for e in pending if e.operstate() != "UP"]
+            if pending and time.monotonic() > deadline:
+                raise FabricError("links not operational after %.0f s: %s" % (
+                    timeout, ", ".join(f"{e.ns}/{e.name}" for e in pending[:5])))
+            if pending:
+                time.sleep(0.005)
+
+    def _address(self, intf: Intf, spec_link) -> None:
+        ip, subnet = str(spec_link.address.ip), spec_link.address.network
+        intf.ipr.addr("add", index=intf.index, address=ip, prefixlen=subnet.prefixlen)
+        rto = self.topo.tcp.get("rto_min_s")
+        if rto:
+            intf.ipr.link("set", index=intf.index, state="up")
+            intf.ipr.route("replace", dst=str(subnet), oif=intf.index, prefsrc=ip, scope="link",
+                           proto="kernel", metrics={"RTAX_RTO_MIN": max(1, int(rto * 1000))})
+
+    # ---------------------------------------------------------------- lookup
+    def target(self, name: str) -> Link | Rail | Host:
+        """Resolve a fault target: 'h2.r1' (a link), 'r1' (a rail) or 'h2' (a host)."""
+        if name in self.links:
+            return self.links[name]
+        if name in self.rails:
+            return self.rails[name]
+        if name in self.hosts:
+            return self.hosts[name]
+        raise KeyError(name)
+
+    def host_links(self, host: str) -> list[Link]:
+        return [l for l in self.links.values() if l.host == host]
+
+    def status(self) -> dict:
+        return {"name": self.topo.name, "run_id": self.state.run_id if self.state else None,
+                "hosts": {h.name: {"namespace": h.ns, "addresses": h.addresses}
+                          for h in self.hosts.values()},
+                "links": [l.describe() for l in self.links.values()]}
+
+
+def _sysctl(ns: str, values: dict[str, str]) -> None:
+    """Per-namespace sysctls: /proc/sys/net is per namespace, so write it from inside."""
+    script = ";".join(f"echo {v} > /proc/sys/{k.replace('.', '/')}" for k, v in values.items())
+    netns.run(ns, ["sh", "-c", script])
+
+
+@contextmanager
+def _sigterm_as_interrupt() -> Iterator[None]:
+    """During a build, SIGTERM unwinds like Ctrl-C so the half-built fabric is removed."""
+    owner = os.getpid()
+
+    def handler(signum, frame):
+        if os.getpid() != owner:  # a forked helper (pyroute2 forks to enter namespaces)
+            os._exit(128 + signum)
+        raise KeyboardInterrupt(f"signal {signum}")
+    try:
+        old = signal.signal(signal.SIGTERM, handler)
+    except ValueError:  # not the main thread: leave signals alone
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)

@@ -1,0 +1,300 @@
+"""The scenario sections of a topology file: workload, faults, expect, capture.
+
+Parsed into typed records at validation time, so that a typo in a fault at t=55 s is an error
+before the first namespace exists, not a crash a minute into a run.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from .errors import SpecError
+from .units import parse_duration, parse_percent, parse_rate, parse_size
+
+WORKLOAD_KINDS = ("allreduce", "sweep", "compare", "command", "none")
+SYSTEMS = ("nezha", "single", "stripe", "mptcp", "gloo")
+DTYPES = ("float32", "float64", "float16", "int32", "int64")
+OPS = ("sum", "max", "min", "prod")
+ENDS = ("host", "switch", "both")
+
+# action -> (allowed target kinds, keys it takes besides at/action/target)
+FAULT_ACTIONS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "link-down": (("link", "rail", "host"), ("for", "end")),
+    "link-up":   (("link", "rail", "host"), ("end",)),
+    "rate":      (("link", "rail", "host"), ("value", "for")),
+    "loss":      (("link", "rail", "host"), ("value", "for")),
+    "delay":     (("link", "rail", "host"), ("value", "jitter", "for")),
+    "blackhole": (("link", "rail", "host"), ("for",)),
+    "flap":      (("link", "rail", "host"), ("period", "for", "end")),
+    "kill":      (("host",), ("signal",)),
+}
+
+# metric -> (unit, what it is); the verdict module computes them, README defines them.
+METRICS: dict[str, str] = {
+    "failover_ms": "ms from a rail fault to steady traffic on the surviving rails (worst fault)",
+    "detection_ms": "ms from a rail fault to Nezha's rail-down event (worst fault)",
+    "recovery_ms": "ms from link-up to the rail carrying its share again (worst fault)",
+    "wrong_results": "iterations whose result differed from the expected value",
+    "iterations_lost": "iterations started but not completed by every rank",
+    "iterations": "iterations completed by every rank",
+    "busbw_mbps": "median bus bandwidth of the workload, Mbit/s",
+    "busbw_vs_single_rail": "Nezha bus bandwidth / single-rail bus bandwidth (compare)",
+    "busbw_vs_rail_sum": "bus bandwidth / sum of the rails' nominal rates",
+    "rank_errors": "ranks that exited with an error",
+}
+SHARE_PREFIX = "rail_share."   # rail_share.r0: {min: 0.7, max: 0.8}
+
+
+@dataclass(frozen=True)
+class Fault:
+    at: float
+    action: str
+    target: str
+    target_kind: str                 # link | rail | host
+    value: Any = None                # rate (bit/s), loss (fraction), delay (s)
+    duration: Optional[float] = None  # 'for': the fault's end restores what it changed
+    end: str = "both"
+    period: Optional[float] = None
+    jitter: float = 0.0
+    signal: str = "KILL"
+    index: int = 0
+
+    @property
+    def label(self) -> str:
+        v = f" {self.value}" if self.value is not None else ""
+        return f"{self.action} {self.target}{v}"
+
+
+@dataclass(frozen=True)
+class Workload:
+    kind: str = "allreduce"
+    size: int = 16 << 20
+    sizes: tuple[int, ...] = ()
+    duration: Optional[float] = None
+    iterations: Optional[int] = None
+    system: str = "nezha"
+    systems: tuple[str, ...] = ()
+    dtype: str = "float32"
+    op: str = "sum"
+    hosts: tuple[str, ...] = ()
+    command: tuple[str, ...] = ()
+    timeout: float = 120.0
+
+
+@dataclass(frozen=True)
+class Expectation:
+    metric: str
+    min: Optional[float] = None
+    max: Optional[float] = None
+
+    def holds(self, value: Optional[float]) -> bool:
+        if value is None:
+            return False
+        return (self.min is None or value >= self.min) and (self.max is None or value <= self.max)
+
+    def describe(self) -> str:
+        if self.min is not None and self.max is not None:
+            return f"{self.min:g}" if self.min == self.max else f"{self.min:g}..{self.max:g}"
+        return f">= {self.min:g}" if self.min is not None else f"<= {self.max:g}"
+
+
+@dataclass(frozen=True)
+class Scenario:
+    workload: Optional[Workload]
+    faults: tuple[Fault, ...] = ()
+    expect: tuple[Expectation, ...] = ()
+    capture: bool = False
+    capture_mb: int = 64
+
+
+def _mapping(value: Any, field_: str, accepted: str) -> dict:
+    if not isinstance(value, dict):
+        raise SpecError(field_, f"{type(value).__name__} given", accepted)
+    return value
+
+
+def _keys(raw: dict, allowed: tuple[str, ...], field_: str) -> None:
+    for k in raw:
+        if k not in allowed:
+            raise SpecError(f"{field_}.{k}", "unknown key", f"one of: {', '.join(allowed)}")
+
+
+def _choice(value: Any, options: tuple[str, ...], field_: str) -> str:
+    if value not in options:
+        raise SpecError(field_, f"{value!r} is not accepted", f"one of: {', '.join(options)}")
+    return value
+
+
+def _int(value: Any, field_: str, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise SpecError(field_, f"{value!r} is not accepted", f"an integer >= {minimum}")
+    return value
+
+
+def _target_kind(topo, target: Any, field_: str) -> str:
+    if isinstance(target, str):
+        if target in topo.hosts:
+            return "host"
+        if any(r.name == target for r in topo.rails):
+            return "rail"
+        host, _, rail = target.partition(".")
+        if host in topo.hosts and any(r.name == rail for r in topo.rails):
+            return "link"
+    raise SpecError(field_, f"{target!r} names nothing in this topology",
+                    "a link HOST.RAIL (e.g. h2.r1), a rail (e.g. r1) or a host (e.g. h2)")
+
+
+def parse_workload(raw: Any, topo) -> Optional[Workload]:
+    if raw is None:
+        return None
+    f = "workload"
+    raw = _mapping(raw, f, "a mapping such as {kind: allreduce, size: 16MiB, duration: 10s}")
+    _keys(raw, ("kind", "size", "sizes", "duration", "iterations", "system", "systems", "dtype",
+                "op", "hosts", "command", "timeout"), f)
+    kind = _choice(raw.get("kind", "allreduce"), WORKLOAD_KINDS, f"{f}.kind")
+    kw: dict[str, Any] = {"kind": kind}
+    if "size" in raw:
+        kw["size"] = parse_size(raw["size"], f"{f}.size")
+    if "sizes" in raw:
+        if not isinstance(raw["sizes"], list) or not raw["sizes"]:
+            raise SpecError(f"{f}.sizes", "not a list", "a list of sizes, e.g. [64KiB, 16MiB]")
+        kw["sizes"] = tuple(parse_size(s, f"{f}.sizes[{i}]") for i, s in enumerate(raw["sizes"]))
+    if "duration" in raw and "iterations" in raw:
+        raise SpecError(f"{f}.duration", "both duration and iterations given", "one of them")
+    if "duration" in raw:
+        kw["duration"] = parse_duration(raw["duration"], f"{f}.duration", allow_zero=False)
+    if "iterations" in raw:
+        kw["iterations"] = _int(raw["iterations"], f"{f}.iterations")
+    if "system" in raw:
+        kw["system"] = _choice(raw["system"], SYSTEMS, f"{f}.system")
+    if "systems" in raw:
+        if not isinstance(raw["systems"], list) or not raw["systems"]:
+            raise SpecError(f"{f}.systems", "not a list", f"a list from: {', '.join(SYSTEMS)}")
+        kw["systems"] = tuple(_choice(s, SYSTEMS, f"{f}.systems[{i}]")
+                              for i, s in enumerate(raw["systems"]))
+    if "dtype" in raw:
+        kw["dtype"] = _choice(raw["dtype"], DTYPES, f"{f}.dtype")
+    if "op" in raw:
+        kw["op"] = _choice(raw["op"], OPS, f"{f}.op")
+    if "hosts" in raw:
+        hosts = raw["hosts"]
+        if not isinstance(hosts, list) or not hosts or any(h not in topo.hosts for h in hosts):
+            raise SpecError(f"{f}.hosts", f"{hosts!r} is not a list of this file's hosts",
+                            f"a list from: {', '.join(topo.hosts)}")
+        kw["hosts"] = tuple(hosts)
+    if "timeout" in raw:
+        kw["timeout"] = parse_duration(raw["timeout"], f"{f}.timeout", allow_zero=False)
+    if kind == "command":
+        cmd = raw.get("command")
+        if isinstance(cmd, str) and cmd.strip():
+            kw["command"] = ("sh", "-c", cmd)
+        elif isinstance(cmd, list) and cmd and all(isinstance(c, str) for c in cmd):
+            kw["command"] = tuple(cmd)
+        else:
+            raise SpecError(f"{f}.command", f"{cmd!r} given",
+                            "a shell command string or a list of arguments")
+    elif "command" in raw:
+        raise SpecError(f"{f}.command", f"only used with kind: command (kind is {kind})",
+                        "kind: command, or no command key")
+    if kind == "compare" and "systems" not in kw:
+        kw["systems"] = ("nezha", "single", "stripe", "mptcp")
+    if kind in ("allreduce", "command") and "duration" not in kw and "iterations" not in kw:
+        kw["duration"] = 10.0 if kind == "allreduce" else None
+    return Workload(**kw)
+
+
+def parse_faults(raw: Any, topo) -> tuple[Fault, ...]:
+    if raw is None:
+        return ()
+    if not isinstance(raw, list):
+        raise SpecError("faults", f"{type(raw).__name__} given",
+                        "a list such as [{at: 3s, action: link-down, target: h2.r1}]")
+    faults = []
+    for i, item in enumerate(raw):
+        f = f"faults[{i}]"
+        item = _mapping(item, f, "a mapping such as {at: 3s, action: link-down, target: h2.r1}")
+        for req in ("at", "action", "target"):
+            if req not in item:
+                raise SpecError(f"{f}.{req}", "missing", "at, action and target on every fault")
+        action = _choice(item["action"], tuple(FAULT_ACTIONS), f"{f}.action")
+        kinds, extra = FAULT_ACTIONS[action]
+        _keys(item, ("at", "action", "target") + extra, f)
+        kind = _target_kind(topo, item["target"], f"{f}.target")
+        if kind not in kinds:
+            raise SpecError(f"{f}.target", f"{action} cannot act on a {kind}",
+                            f"a {' or '.join(kinds)}")
+        kw: dict[str, Any] = {"at": parse_duration(item["at"], f"{f}.at"), "action": action,
+                              "target": item["target"], "target_kind": kind, "index": i}
+        if "for" in item:
+            kw["duration"] = parse_duration(item["for"], f"{f}.for", allow_zero=False)
+        if "end" in item:
+            kw["end"] = _choice(item["end"], ENDS, f"{f}.end")
+        if action in ("rate", "loss", "delay"):
+            if "value" not in item:
+                raise SpecError(f"{f}.value", "missing", f"the new {action} (e.g. "
+                                + {"rate": "20mbit", "loss": "20%", "delay": "5ms"}[action] + ")")
+            parser = {"rate": parse_rate, "loss": parse_percent, "delay": parse_duration}[action]
+            kw["value"] = parser(item["value"], f"{f}.value")
+        if action == "delay" and "jitter" in item:
+            kw["jitter"] = parse_duration(item["jitter"], f"{f}.jitter")
+        if action == "flap":
+            if "period" not in item or "for" not in item:
+                raise SpecError(f"{f}.period" if "period" not in item else f"{f}.for", "missing",
+                                "flap needs period (down+up cycle, e.g. 500ms) and for")
+            kw["period"] = parse_duration(item["period"], f"{f}.period", allow_zero=False)
+        if action == "kill":
+            sig = item.get("signal", "KILL")
+            kw["signal"] = _choice(sig, ("KILL", "TERM", "INT", "STOP"), f"{f}.signal")
+        faults.append(Fault(**kw))
+    return tuple(sorted(faults, key=lambda x: (x.at, x.index)))
+
+
+def parse_expect(raw: Any, topo) -> tuple[Expectation, ...]:
+    if raw is None:
+        return ()
+    raw = _mapping(raw, "expect", "a mapping such as {failover_ms: {max: 200}, wrong_results: 0}")
+    rails = [r.name for r in topo.rails]
+    out = []
+    for metric, bound in raw.items():
+        f = f"expect.{metric}"
+        known = metric in METRICS or (str(metric).startswith(SHARE_PREFIX)
+                                      and str(metric)[len(SHARE_PREFIX):] in rails)
+        if not known:
+            raise SpecError(f, "unknown metric", "one of: " + ", ".join(METRICS)
+                            + ", " + ", ".join(SHARE_PREFIX + r for r in rails))
+        if isinstance(bound, (int, float)) and not isinstance(bound, bool):
+            out.append(Expectation(metric, float(bound), float(bound)))
+            continue
+        bound = _mapping(bound, f, "a number (must equal) or {min: X} / {max: Y} / both")
+        _keys(bound, ("min", "max"), f)
+        if not bound:
+            raise SpecError(f, "empty bound", "{min: X}, {max: Y} or both")
+        vals = {}
+        for k, v in bound.items():
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise SpecError(f"{f}.{k}", f"{v!r} is not a number", "a number")
+            vals[k] = float(v)
+        out.append(Expectation(metric, vals.get("min"), vals.get("max")))
+    return tuple(out)
+
+
+def parse_capture(raw: Any) -> tuple[bool, int]:
+    if raw is None or raw is False:
+        return False, 64
+    if raw is True:
+        return True, 64
+    raw = _mapping(raw, "capture", "true, or {max_mb: 64}")
+    _keys(raw, ("max_mb",), "capture")
+    return True, _int(raw.get("max_mb", 64), "capture.max_mb")
+
+
+def build(topo) -> Scenario:
+    s = topo.sections
+    cap, cap_mb = parse_capture(s.get("capture"))
+    return Scenario(workload=parse_workload(s.get("workload"), topo),
+                    faults=parse_faults(s.get("faults"), topo),
+                    expect=parse_expect(s.get("expect"), topo), capture=cap, capture_mb=cap_mb)
+
+
+def validate(topo) -> None:
+    build(topo)

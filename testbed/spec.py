@@ -1,0 +1,341 @@
+"""Topology files: parse and validate YAML into a typed, immutable model before anything is built.
+
+Everything a later stage needs is resolved here (host names, per-link shaping after overrides,
+addresses), so the fabric never has to interpret the file, and a bad file never builds half a
+fabric.
+"""
+from __future__ import annotations
+
+import ipaddress
+import re
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Mapping, Optional
+
+import yaml
+
+from .errors import CapabilityError, SpecError
+from .units import format_duration, format_rate, parse_duration, parse_percent, parse_rate
+
+DEFAULT_ADDRESSING = "198.18.0.0/15"
+DEFAULT_RAIL_PREFIX = 24
+_NAME_RE = re.compile(r"[a-z][a-z0-9]{0,14}")
+_TOPO_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+BACKENDS = ("pyroute2", "mininet")
+WIRINGS = ("switch", "direct")
+
+# Keys of each section; the scenario sections are validated by testbed.scenario.
+TOP_KEYS = ("name", "description", "hosts", "rails", "links", "wiring", "addressing",
+            "rail_prefix", "backend", "tcp", "workload", "faults", "expect", "capture")
+SHAPE_KEYS = ("bandwidth", "loss", "delay", "jitter")
+RAIL_KEYS = ("name", "mtu") + SHAPE_KEYS
+
+
+@dataclass(frozen=True)
+class Shape:
+    """How one direction of a link should behave. ``delay`` is one-way, per direction."""
+
+    rate_bps: Optional[int] = None     # None: not rate-limited
+    loss: float = 0.0                  # fraction, 0..1
+    delay_s: float = 0.0
+    jitter_s: float = 0.0
+
+    @property
+    def needs_netem(self) -> bool:
+        return self.delay_s > 0 or self.jitter_s > 0
+
+    def describe(self) -> str:
+        parts = [format_rate(self.rate_bps)]
+        if self.loss:
+            parts.append(f"loss {self.loss * 100:g}%")
+        if self.delay_s:
+            parts.append(f"delay {format_duration(self.delay_s)}")
+        if self.jitter_s:
+            parts.append(f"jitter {format_duration(self.jitter_s)}")
+        return ", ".join(parts)
+
+    def to_dict(self) -> dict:
+        return {"rate_bps": self.rate_bps, "loss": self.loss,
+                "delay_s": self.delay_s, "jitter_s": self.jitter_s}
+
+
+@dataclass(frozen=True)
+class Rail:
+    name: str
+    index: int
+    subnet: ipaddress.IPv4Network
+    shape: Shape
+    mtu: int = 1500
+
+
+@dataclass(frozen=True)
+class Link:
+    """One host's attachment to one rail: the unit that shaping and faults act on."""
+
+    host: str
+    rail: str
+    address: ipaddress.IPv4Interface
+    shape: Shape
+    mtu: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.host}.{self.rail}"
+
+
+@dataclass(frozen=True)
+class Topology:
+    name: str
+    hosts: tuple[str, ...]
+    rails: tuple[Rail, ...]
+    links: Mapping[tuple[str, str], Link]
+    wiring: str = "switch"
+    addressing: ipaddress.IPv4Network = ipaddress.IPv4Network(DEFAULT_ADDRESSING)
+    backend: str = "pyroute2"
+    description: str = ""
+    tcp: Mapping[str, Any] = field(default_factory=dict)
+    sections: Mapping[str, Any] = field(default_factory=dict)  # workload/faults/expect/capture
+    source: Optional[str] = None
+    raw: Mapping[str, Any] = field(default_factory=dict)       # the document as written
+
+    def rail(self, name: str) -> Rail:
+        for r in self.rails:
+            if r.name == name:
+                return r
+        raise KeyError(name)
+
+    def link(self, host: str, rail: str) -> Link:
+        return self.links[(host, rail)]
+
+    def address(self, host: str, rail: str) -> str:
+        return str(self.links[(host, rail)].address.ip)
+
+    @property
+    def needs_netem(self) -> bool:
+        return any(l.shape.needs_netem for l in self.links.values())
+
+    def to_dict(self) -> dict:
+        """The resolved topology, as written into a results folder and the run-state file."""
+        return {
+            "name": self.name, "description": self.description, "backend": self.backend,
+            "wiring": self.wiring, "addressing": str(self.addressing), "hosts": list(self.hosts),
+            "rails": [{"name": r.name, "subnet": str(r.subnet), "mtu": r.mtu,
+                       **r.shape.to_dict()} for r in self.rails],
+            "links": {l.name: {"address": str(l.address), "mtu": l.mtu, **l.shape.to_dict()}
+                      for l in self.links.values()},
+            "tcp": dict(self.tcp), **{k: v for k, v in self.sections.items()},
+        }
+
+
+# --------------------------------------------------------------------------------------------
+def _require_mapping(value: Any, field: str, accepted: str) -> dict:
+    if not isinstance(value, dict):
+        raise SpecError(field, f"{type(value).__name__} given", accepted)
+    return value
+
+
+def _check_keys(mapping: dict, allowed: tuple, field: str) -> None:
+    for key in mapping:
+        if key not in allowed:
+            where = f"{field}.{key}" if field else str(key)
+            raise SpecError(where, "unknown key", f"one of: {', '.join(allowed)}")
+
+
+def _parse_name(value: Any, field: str, what: str) -> str:
+    if not isinstance(value, str) or not _NAME_RE.fullmatch(value) or value == "lo":
+        raise SpecError(field, f"{value!r} is not a valid {what} name",
+                        "1-15 lowercase letters or digits, starting with a letter (e.g. h1, r0)")
+    return value
+
+
+def _parse_shape(raw: dict, field: str, base: Shape) -> Shape:
+    shape = base
+    if "bandwidth" in raw:
+        shape = replace(shape, rate_bps=parse_rate(raw["bandwidth"], f"{field}.bandwidth"))
+    if "loss" in raw:
+        shape = replace(shape, loss=parse_percent(raw["loss"], f"{field}.loss"))
+    if "delay" in raw:
+        shape = replace(shape, delay_s=parse_duration(raw["delay"], f"{field}.delay"))
+    if "jitter" in raw:
+        shape = replace(shape, jitter_s=parse_duration(raw["jitter"], f"{field}.jitter"))
+    if shape.jitter_s > 0 and shape.delay_s == 0:
+        raise SpecError(f"{field}.jitter", "jitter without delay",
+                        "a delay as well (jitter varies the delay around its mean)")
+    return shape
+
+
+def _parse_mtu(value: Any, field: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 576 <= value <= 65535:
+        raise SpecError(field, f"{value!r} is not a valid MTU", "an integer from 576 to 65535")
+    return value
+
+
+def _parse_hosts(raw: Any) -> tuple[str, ...]:
+    if isinstance(raw, bool):
+        raw = None
+    if isinstance(raw, int):
+        if raw < 1:
+            raise SpecError("hosts", f"{raw} hosts", "a count of at least 1, or a list of names")
+        return tuple(f"h{i + 1}" for i in range(raw))
+    if isinstance(raw, list) and raw:
+        names = [_parse_name(n, f"hosts[{i}]", "host") for i, n in enumerate(raw)]
+        for i, n in enumerate(names):
+            if names.index(n) != i:
+                raise SpecError(f"hosts[{i}]", f"duplicate host name {n!r}", "unique host names")
+        return tuple(names)
+    raise SpecError("hosts", f"{raw!r} given", "a host count (e.g. 4) or a list of host names")
+
+
+def parse(doc: Any, source: Optional[str] = None, default_name: str = "topology") -> Topology:
+    """Validate a loaded YAML document into a Topology (no kernel capabilities checked here)."""
+    if doc is None:
+        raise SpecError("(file)", "the topology file is empty", "a mapping with hosts and rails")
+    doc = _require_mapping(doc, "(file)", "a mapping with keys such as hosts, rails, links")
+    _check_keys(doc, TOP_KEYS, "")
+
+    name = doc.get("name", default_name)
+    if not isinstance(name, str) or not _TOPO_NAME_RE.fullmatch(name):
+        raise SpecError("name", f"{name!r} is not a valid topology name",
+                        "up to 64 letters, digits, '.', '_' or '-'")
+    if "hosts" not in doc:
+        raise SpecError("hosts", "missing", "a host count (e.g. 4) or a list of host names")
+    hosts = _parse_hosts(doc["hosts"])
+
+    wiring = doc.get("wiring", "switch")
+    if wiring not in WIRINGS:
+        raise SpecError("wiring", f"{wiring!r} is not a wiring", f"one of: {', '.join(WIRINGS)}")
+    if wiring == "direct" and len(hosts) != 2:
+        raise SpecError("wiring", f"direct wiring with {len(hosts)} hosts",
+                        "exactly 2 hosts for direct wiring, or wiring: switch")
+    backend = doc.get("backend", "pyroute2")
+    if backend not in BACKENDS:
+        raise SpecError("backend", f"{backend!r} is not a backend", f"one of: {', '.join(BACKENDS)}")
+
+    addr_raw = doc.get("addressing", DEFAULT_ADDRESSING)
+    try:
+        block = ipaddress.IPv4Network(str(addr_raw), strict=True)
+    except ValueError:
+        raise SpecError("addressing", f"{addr_raw!r} is not an IPv4 network",
+                        "a CIDR block such as 198.18.0.0/15") from None
+    rail_prefix = doc.get("rail_prefix", max(DEFAULT_RAIL_PREFIX, block.prefixlen))
+    if isinstance(rail_prefix, bool) or not isinstance(rail_prefix, int) \
+            or not block.prefixlen <= rail_prefix <= 30:
+        raise SpecError("rail_prefix", f"{rail_prefix!r} is not usable",
+                        f"an integer from {block.prefixlen} to 30 (each rail's subnet length)")
+
+    rails_raw = doc.get("rails")
+    if not isinstance(rails_raw, list) or not rails_raw:
+        raise SpecError("rails", f"{rails_raw!r} given",
+                        "a non-empty list of rails, e.g. [{name: r0, bandwidth: 200mbit}]")
+    subnets = block.subnets(new_prefix=rail_prefix)
+    n_subnets = 2 ** (rail_prefix - block.prefixlen)
+    if len(rails_raw) > n_subnets:
+        raise SpecError("rails", f"{len(rails_raw)} rails but {block} holds only {n_subnets} "
+                        f"/{rail_prefix} subnets", "fewer rails, a larger addressing block, "
+                        "or a longer rail_prefix")
+    host_capacity = 2 ** (32 - rail_prefix) - 2
+    if len(hosts) > host_capacity:
+        raise SpecError("hosts", f"{len(hosts)} hosts but a /{rail_prefix} rail subnet holds "
+                        f"only {host_capacity}", "fewer hosts, or a shorter rail_prefix "
+                        "(e.g. rail_prefix: 20 with addressing: 198.18.0.0/15)")
+
+    rails: list[Rail] = []
+    for i, raw in enumerate(rails_raw):
+        f = f"rails[{i}]"
+        raw = _require_mapping(raw, f, "a mapping such as {name: r0, bandwidth: 200mbit}")
+        _check_keys(raw, RAIL_KEYS, f)
+        rname = _parse_name(raw.get("name", f"r{i}"), f"{f}.name", "rail")
+        if any(r.name == rname for r in rails):
+            raise SpecError(f"{f}.name", f"duplicate rail name {rname!r}", "unique rail names")
+        if rname in hosts:
+            raise SpecError(f"{f}.name", f"{rname!r} is also a host name",
+                            "rail names distinct from host names")
+        mtu = _parse_mtu(raw.get("mtu", 1500), f"{f}.mtu")
+        rails.append(Rail(rname, i, next(subnets), _parse_shape(raw, f, Shape()), mtu))
+
+    links: dict[tuple[str, str], Link] = {}
+    for rail in rails:
+        hosts_iter = rail.subnet.hosts()
+        for h in hosts:
+            ip = next(hosts_iter)
+            links[(h, rail.name)] = Link(h, rail.name, ipaddress.IPv4Interface(
+                f"{ip}/{rail.subnet.prefixlen}"), rail.shape, rail.mtu)
+
+    overrides = doc.get("links") or {}
+    overrides = _require_mapping(overrides, "links", "a mapping such as {h2.r1: {bandwidth: 50mbit}}")
+    for key, raw in overrides.items():
+        f = f"links.{key}"
+        host, _, rname = str(key).partition(".")
+        if host not in hosts or not any(r.name == rname for r in rails):
+            raise SpecError(f, "no such link", "HOST.RAIL naming a host and a rail of this file "
+                            f"(hosts: {', '.join(hosts[:8])}{'...' if len(hosts) > 8 else ''}; "
+                            f"rails: {', '.join(r.name for r in rails)})")
+        raw = _require_mapping(raw, f, "a mapping such as {bandwidth: 50mbit}")
+        _check_keys(raw, SHAPE_KEYS, f)
+        link = links[(host, rname)]
+        links[(host, rname)] = replace(link, shape=_parse_shape(raw, f, link.shape))
+        if wiring == "direct":
+            # one cable per rail: either host's name for it shapes the whole cable
+            other = hosts[1 - hosts.index(host)]
+            if f"{other}.{rname}" in overrides:
+                raise SpecError(f, f"{host}.{rname} and {other}.{rname} name the same cable "
+                                "in direct wiring", "an override on only one of them")
+            links[(other, rname)] = replace(links[(other, rname)],
+                                            shape=links[(host, rname)].shape)
+
+    tcp = _require_mapping(doc.get("tcp") or {}, "tcp", "a mapping such as {rto_min: 10ms}")
+    _check_keys(tcp, ("rto_min",), "tcp")
+    tcp_parsed = {}
+    if "rto_min" in tcp:
+        tcp_parsed["rto_min_s"] = parse_duration(tcp["rto_min"], "tcp.rto_min", allow_zero=False)
+
+    description = doc.get("description", "")
+    if not isinstance(description, str):
+        raise SpecError("description", "not a string", "free text")
+    sections = {k: doc[k] for k in ("workload", "faults", "expect", "capture") if k in doc}
+    topo = Topology(name=name, hosts=hosts, rails=tuple(rails), links=links, wiring=wiring,
+                    addressing=block, backend=backend, description=description, tcp=tcp_parsed,
+                    sections=sections, source=source, raw=doc)
+    from . import scenario  # validated together, so a bad fault never waits for the build
+    scenario.validate(topo)
+    return topo
+
+
+def load(path: str | Path) -> Topology:
+    """Read and validate a topology file; every problem is a SpecError naming the field."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise SpecError(str(path), f"cannot read: {e.strerror}", "a readable YAML file") from None
+    return loads(text, source=str(path), default_name=path.stem)
+
+
+def loads(text: str, source: Optional[str] = None, default_name: str = "topology") -> Topology:
+    try:
+        doc = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "(file)"
+        raise SpecError(where, f"malformed YAML: {getattr(e, 'problem', e)}",
+                        "valid YAML (check indentation and colons)") from None
+    return parse(doc, source=source, default_name=default_name)
+
+
+def check_capabilities(topo: Topology, caps: "Capabilities") -> None:  # noqa: F821
+    """Refuse, before building, any shaping this kernel cannot apply honestly."""
+    if not caps.netem:
+        for link in topo.links.values():
+            if link.shape.needs_netem:
+                what = "delay" if link.shape.delay_s else "jitter"
+                raise CapabilityError(
+                    f"links.{link.name}.{what}",
+                    f"{what} needs the kernel's netem qdisc (sch_netem), which this kernel lacks",
+                    "no delay/jitter on this machine, or a kernel with sch_netem "
+                    "(e.g. the Vagrant VM); loss still works through nftables")
+    if not caps.nftables and not caps.netem:
+        for link in topo.links.values():
+            if link.shape.loss:
+                raise CapabilityError(f"links.{link.name}.loss",
+                                      "loss needs netem or nftables, and neither works here",
+                                      "install nftables (apt-get install nftables)")
