@@ -1,0 +1,69 @@
+"""Exceptions raised by nezha. Every failure a user can see is a NezhaError subclass."""
+
+
+class NezhaError(Exception):
+    """Base class of every error nezha raises."""
+
+
+class ConfigError(NezhaError, ValueError):
+    """Bad arguments or environment (rank out of range, unknown system, bad dtype...)."""
+
+
+class RailConfigError(ConfigError):
+    """A rail address or interface that does not exist on this host."""
+
+
+class StoreError(NezhaError):
+    """The key-value store could not be reached or answered badly."""
+
+
+class StoreTimeout(StoreError, TimeoutError):
+    """A store wait did not complete within its timeout."""
+
+
+class RendezvousError(NezhaError):
+    """The ranks could not agree on who is in the job."""
+
+
+class DuplicateRankError(RendezvousError):
+    """Two processes claimed the same rank."""
+
+
+class MissingRankError(RendezvousError, TimeoutError):
+    """Some ranks never showed up within the timeout."""
+
+
+class WorldSizeMismatchError(RendezvousError):
+    """Ranks disagree on the world size (or on the number of rails)."""
+
+
+class RendezvousAborted(RendezvousError):
+    """Another rank failed the rendezvous and told everyone."""
+
+
+class CommError(NezhaError):
+    """A collective failed. The Context is unusable afterwards."""
+
+
+class ProtocolError(CommError):
+    """A peer sent a malformed or unexpected frame (bad magic, checksum, lengths...)."""
+
+
+class MismatchError(CommError):
+    """Ranks called collectives with different arguments (length, dtype, op, root...)."""
+
+
+class PeerClosedError(CommError):
+    """A peer closed its connections (or died) while work was outstanding."""
+
+
+class PeerAbortedError(CommError):
+    """A peer failed and told us why (an ABORT frame)."""
+
+
+class AllRailsDownError(CommError):
+    """No rail to a peer is left."""
+
+
+class CommTimeout(CommError, TimeoutError):
+    """A collective did not complete within the context's timeout."""

@@ -1,0 +1,74 @@
+"""Observability: per-rail counters and a JSON-lines event log.
+
+Every event-log line is one JSON object::
+
+    {"t": <time.monotonic()>, "event": "<name>", "rank": <int>, ...fields}
+
+Event names: ``init`` (rails, system, world), ``connected``, ``state`` (rails state
+cold|hot, reason), ``weights`` (shares per rail, a, b), ``op_start`` / ``op_end``
+(only with ``log_ops``), ``rail_suspected``, ``rail_down``, ``rail_agreed``,
+``rerouted``, ``probe``, ``rail_up``, ``error``, ``close``.
+CLOCK_MONOTONIC is shared by all network namespaces of one machine, so logs of several
+ranks can be merged on one timeline.
+"""
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+
+
+class RailCounters:
+    __slots__ = ("bytes_sent", "bytes_recv", "chunks_sent", "chunks_recv", "rerouted_chunks")
+
+    def __init__(self):
+        self.bytes_sent = self.bytes_recv = 0
+        self.chunks_sent = self.chunks_recv = self.rerouted_chunks = 0
+
+    def as_dict(self):
+        return {k: getattr(self, k) for k in self.__slots__}
+
+
+class Events:
+    def __init__(self, rank: int, nrails: int, path: str | None = None, log_ops: bool = False):
+        self.rank = rank
+        self.rails = [RailCounters() for _ in range(nrails)]
+        self.weights = [1.0 / nrails] * nrails if nrails else []
+        self.state = "cold"
+        self.rail_status = ["up"] * nrails
+        self.log_ops = log_ops
+        self._lock = threading.Lock()
+        self._fh = None
+        path = path if path is not None else os.environ.get("NEZHA_EVENT_LOG")
+        if path:
+            d = os.path.dirname(path)
+            if d:
+                os.makedirs(d, exist_ok=True)
+            self._fh = open(path, "a", buffering=1)
+        self.path = path
+
+    def emit(self, event: str, **fields):
+        if self._fh is None:
+            return
+        rec = {"t": time.monotonic(), "event": event, "rank": self.rank}
+        rec.update(fields)
+        line = json.dumps(rec, default=str)
+        with self._lock:
+            if self._fh is not None:
+                self._fh.write(line + "\n")
+
+    def rail_bytes(self):
+        """{"0": bytes sent on rail 0, ...} (cumulative)."""
+        return {str(i): c.bytes_sent for i, c in enumerate(self.rails)}
+
+    def snapshot(self):
+        return {"state": self.state, "weights": list(self.weights),
+                "rail_status": list(self.rail_status),
+                "rails": [c.as_dict() for c in self.rails]}
+
+    def close(self):
+        with self._lock:
+            if self._fh is not None:
+                self._fh.close()
+                self._fh = None

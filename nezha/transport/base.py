@@ -1,0 +1,297 @@
+"""Transport interface and the socket Connection (reader + writer thread)."""
+from __future__ import annotations
+
+import queue
+import socket
+import threading
+import time
+
+from .. import wire
+from ..errors import CommError, PeerClosedError, ProtocolError
+
+
+def recv_exact_into(sock, view, what="frame") -> bool:
+    """Fill ``view`` from ``sock``. False on EOF before the first byte; raises
+    PeerClosedError on EOF in the middle (a truncated frame)."""
+    n = len(view)
+    got = 0
+    while got < n:
+        k = sock.recv_into(view[got:], n - got)
+        if k == 0:
+            if got == 0:
+                return False
+            raise PeerClosedError(f"connection closed in the middle of a {what} "
+                                  f"({got} of {n} bytes)")
+        got += k
+    return True
+
+
+def send_vec(sock, bufs):
+    """sendmsg with partial-write handling."""
+    bufs = [memoryview(b).cast("B") for b in bufs if len(b)]
+    while bufs:
+        n = sock.sendmsg(bufs)
+        while n:
+            if n >= len(bufs[0]):
+                n -= len(bufs[0])
+                bufs.pop(0)
+            else:
+                bufs[0] = bufs[0][n:]
+                n = 0
+
+
+class Transport:
+    """Set-up side of a protocol: listening sockets per logical rail and outgoing connects."""
+    name = "base"
+
+    def __init__(self, rails, sockbuf: int | None = None, user_timeout_ms: int | None = None):
+        self.rails = list(rails)
+        self.sockbuf = sockbuf
+        self.user_timeout_ms = user_timeout_ms
+        self.listeners: list[socket.socket] = []
+
+    @property
+    def nrails(self) -> int:
+        return len(self.rails)
+
+    def new_socket(self) -> socket.socket:
+        raise NotImplementedError
+
+    def tune(self, s: socket.socket):
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if self.sockbuf:
+            for opt, force in ((socket.SO_SNDBUF, 32), (socket.SO_RCVBUF, 33)):
+                try:
+                    s.setsockopt(socket.SOL_SOCKET, force, self.sockbuf)  # SO_*BUFFORCE (root)
+                except OSError:
+                    s.setsockopt(socket.SOL_SOCKET, opt, self.sockbuf)
+        if self.user_timeout_ms:
+            try:
+                s.setsockopt(socket.IPPROTO_TCP, 18, int(self.user_timeout_ms))  # TCP_USER_TIMEOUT
+            except OSError:
+                pass
+
+    def listen(self) -> list[tuple[str, int]]:
+        """Open one listener per logical rail; returns [(addr, port)]."""
+        from ..errors import RailConfigError
+        eps = []
+        for r, addr in enumerate(self.rails):
+            s = self.new_socket()
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind((addr, 0))
+            except OSError as e:
+                s.close()
+                self.close()
+                raise RailConfigError(f"rail {r}: cannot bind to {addr}: {e.strerror or e} "
+                                      f"(is the address configured on this host?)") from e
+            s.listen(256)
+            self.listeners.append(s)
+            eps.append((addr, s.getsockname()[1]))
+        return eps
+
+    def connect(self, rail: int, dest: tuple[str, int], timeout: float) -> socket.socket:
+        """Connect from the rail's local address to ``dest``, retrying until ``timeout``."""
+        deadline = time.monotonic() + timeout
+        while True:
+            s = self.new_socket()
+            try:
+                s.bind((self.rails[rail], 0))
+                s.settimeout(max(0.1, min(2.0, deadline - time.monotonic())))
+                s.connect(tuple(dest))
+                s.settimeout(None)
+                self.tune(s)
+                return s
+            except OSError as e:
+                s.close()
+                if time.monotonic() >= deadline:
+                    raise
+                time.sleep(0.05)
+
+    def close(self):
+        for s in self.listeners:
+            try:
+                s.close()
+            except OSError:
+                pass
+        self.listeners = []
+
+
+class Connection:
+    """One socket to one peer on one rail. ``handler`` is the engine (see engine.py)."""
+
+    def __init__(self, sock: socket.socket, peer: int, rail: int, handler):
+        self.sock = sock
+        self.peer = peer
+        self.rail = rail
+        self.handler = handler
+        self.q: queue.SimpleQueue = queue.SimpleQueue()
+        self.alive = True
+        self.bye_seen = False
+        self.closing = False
+        self.aborting = False
+        self.last_rx = time.monotonic()
+        self.last_tx = self.last_rx
+        self.rx_bytes = 0
+        self.t_hdr = 0.0
+        self.cur_slot = None
+        self._lock = threading.Lock()
+        self.reader = threading.Thread(target=self._read_loop, daemon=True,
+                                       name=f"nz-rx-p{peer}-r{rail}")
+        self.writer = threading.Thread(target=self._write_loop, daemon=True,
+                                       name=f"nz-tx-p{peer}-r{rail}")
+
+    def __repr__(self):
+        return f"<Connection peer={self.peer} rail={self.rail} alive={self.alive}>"
+
+    def start(self):
+        self.reader.start()
+        self.writer.start()
+
+    # ---------------------------------------------------------------- sending
+    def put(self, item):
+        """Queue a data chunk (engine object) or a ready control frame (bytes)."""
+        self.q.put(item)
+
+    def _write_loop(self):
+        sock = self.sock
+        try:
+            while True:
+                item = self.q.get()
+                if item is None:
+                    if self.closing or self.bye_seen:
+                        try:
+                            sock.shutdown(socket.SHUT_WR)
+                        except OSError:
+                            pass
+                    break
+                if isinstance(item, (bytes, bytearray)):
+                    send_vec(sock, [item])
+                    self.last_tx = time.monotonic()
+                    continue
+                if self.aborting or not self.alive:
+                    continue
+                prep = self.handler.before_send(self, item)
+                if prep is None:
+                    continue
+                hdr, payload = prep
+                send_vec(sock, [hdr, payload])
+                self.last_tx = time.monotonic()
+                self.handler.after_send(self, item)
+        except (OSError, ValueError) as e:
+            self.fail(e)
+        except Exception as e:  # a bug: make it visible as a comm failure
+            self.fail(e)
+
+    # ---------------------------------------------------------------- receiving
+    def _read_loop(self):
+        sock = self.sock
+        hbuf = bytearray(wire.HEADER_SIZE)
+        hview = memoryview(hbuf)
+        try:
+            while True:
+                if not recv_exact_into(sock, hview, "header"):
+                    if self.bye_seen or self.closing:
+                        self._mark_dead()
+                        self.handler.on_closed(self)
+                    else:
+                        self.fail(PeerClosedError(
+                            f"rank {self.peer} closed its connection on rail {self.rail}"))
+                    return
+                now = time.monotonic()
+                self.last_rx = now
+                h = wire.unpack(hview)
+                if h.src != self.peer:
+                    raise ProtocolError(f"frame claims src rank {h.src} on the connection to "
+                                        f"rank {self.peer}")
+                t = h.type
+                if t == wire.DATA:
+                    target = self.handler.data_target(self, h, now)
+                    if target is None:
+                        buf = bytearray(h.length)
+                        if h.length:
+                            recv_exact_into(sock, memoryview(buf), "payload")
+                            if not buf:
+                                pass
+                        self.rx_bytes += h.length
+                        self.handler.data_staged(self, h, buf)
+                    else:
+                        if h.length:
+                            if not recv_exact_into(sock, target, "payload"):
+                                raise PeerClosedError(f"rank {self.peer} closed rail {self.rail} "
+                                                      f"before a payload")
+                        self.rx_bytes += h.length
+                        self.handler.data_done(self, h)
+                elif t == wire.ACK:
+                    self.handler.on_ack(self, h)
+                elif t in (wire.ABORT, wire.HELLO, wire.CONTROL):
+                    payload = bytearray(h.length)
+                    if h.length and not recv_exact_into(sock, memoryview(payload), "payload"):
+                        raise PeerClosedError("closed before a control payload")
+                    if t == wire.ABORT:
+                        self.handler.on_abort(self, h, payload.decode("utf-8", "replace"))
+                    elif t == wire.CONTROL:
+                        self.handler.on_control(self, h, bytes(payload))
+                    else:
+                        raise ProtocolError("unexpected HELLO on an established connection")
+                elif t == wire.BYE:
+                    self.bye_seen = True
+                    self.handler.on_bye(self)
+                elif t == wire.HEARTBEAT:
+                    pass
+                elif t == wire.PROBE:
+                    self.handler.on_probe(self, h)
+        except PeerClosedError as e:
+            self.fail(e)
+        except CommError as e:          # protocol violation or mismatch: fatal for the job
+            self.fail(e, protocol=True)
+        except (OSError, ValueError) as e:
+            self.fail(e)
+        except Exception as e:
+            self.fail(e, protocol=True)
+        finally:
+            self.handler.release_target(self)
+
+    # ---------------------------------------------------------------- lifecycle
+    def _mark_dead(self) -> bool:
+        with self._lock:
+            if not self.alive:
+                return False
+            self.alive = False
+        return True
+
+    def fail(self, exc, protocol: bool = False):
+        """The connection is unusable (socket error, EOF, garbage). Tell the engine once."""
+        if not self._mark_dead():
+            return
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.q.put(None)
+        self.handler.on_failed(self, exc, protocol)
+
+    def send_abort(self, reason: str, src: int):
+        self.aborting = True
+        payload = reason.encode("utf-8", "replace")[: wire.MAX_CONTROL_PAYLOAD]
+        self.q.put(wire.pack(wire.ABORT, 0, 0, 0, self.rail, src, 0, 0, 0, 0, 0, len(payload), 0, 0)
+                   + payload)
+
+    def send_bye(self, src: int):
+        self.closing = True
+        self.q.put(wire.pack(wire.BYE, 0, 0, 0, self.rail, src, 0, 0, 0, 0, 0, 0, 0, 0))
+
+    def close(self, wait: float = 1.0):
+        self.closing = True
+        self.q.put(None)
+        self.writer.join(wait)
+        try:
+            self.sock.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass
+        self.reader.join(wait)
+        self._mark_dead()
+        try:
+            self.sock.close()
+        except OSError:
+            pass

@@ -1,0 +1,135 @@
+"""Nezha wire format: a fixed 64-byte frame header, optionally followed by a payload.
+
+All integers are big-endian (network order). Layout (byte offset, size, field)::
+
+     0  4  magic       b"NZHA"
+     4  1  version     1
+     5  1  type        1 HELLO, 2 DATA, 3 ACK, 4 HEARTBEAT, 5 CONTROL, 6 ABORT, 7 BYE, 8 PROBE
+     6  1  kind        collective: 0 none, 1 allreduce, 2 broadcast, 3 allgather,
+                       4 reduce_scatter, 5 barrier, 6 control (estimate exchange)
+     7  1  dtype       0 none/bytes, 1 float32, 2 float64, 3 float16, 4 int32, 5 int64,
+                       6 uint8, 7 int8, 8 uint32, 9 uint64, 10 int16, 11 uint16
+     8  1  redop       0 none, 1 sum, 2 max, 3 min, 4 prod
+     9  1  rail        rail index the sender put the frame on
+    10  2  src         sender's rank
+    12  4  aux         type specific: ACK = acked byte count; HEARTBEAT/PROBE = sequence;
+                       DATA = collective root (broadcast) or 0
+    16  8  op_id       collective sequence number (same on every rank for the same call)
+    24  4  step        step of the collective algorithm
+    28  4  chunk       chunk index within the step's message
+    32  8  offset      byte offset of this chunk within the step's message
+    40  4  length      payload bytes that follow this header (0 for ACK/HEARTBEAT/BYE)
+    44  8  msg_total   total bytes of the step's message (all chunks, all rails)
+    52  8  op_total    total bytes of the sender's whole collective buffer
+    60  4  crc         CRC-32 (zlib) of bytes 0..59
+
+A DATA frame is identified by (src, op_id, step, offset): the receiver places it at
+``offset`` of the buffer posted for (op_id, step, src), whichever rail it came on, and
+ignores repeats. That is what lets a sender move a chunk to another rail.
+HELLO and ABORT payloads are UTF-8 (HELLO: JSON {"rank","rail","session","world"}).
+"""
+from __future__ import annotations
+
+import struct
+import zlib
+from dataclasses import dataclass
+
+from .errors import ProtocolError
+
+MAGIC = b"NZHA"
+VERSION = 1
+
+HELLO, DATA, ACK, HEARTBEAT, CONTROL, ABORT, BYE, PROBE = range(1, 9)
+TYPE_NAMES = {HELLO: "HELLO", DATA: "DATA", ACK: "ACK", HEARTBEAT: "HEARTBEAT",
+              CONTROL: "CONTROL", ABORT: "ABORT", BYE: "BYE", PROBE: "PROBE"}
+
+K_NONE, K_ALLREDUCE, K_BROADCAST, K_ALLGATHER, K_REDUCE_SCATTER, K_BARRIER, K_CONTROL = range(7)
+KIND_NAMES = {K_NONE: "none", K_ALLREDUCE: "allreduce", K_BROADCAST: "broadcast",
+              K_ALLGATHER: "allgather", K_REDUCE_SCATTER: "reduce_scatter",
+              K_BARRIER: "barrier", K_CONTROL: "control"}
+
+DTYPES = {0: "uint8", 1: "float32", 2: "float64", 3: "float16", 4: "int32", 5: "int64",
+          6: "uint8", 7: "int8", 8: "uint32", 9: "uint64", 10: "int16", 11: "uint16"}
+DTYPE_CODES = {name: code for code, name in DTYPES.items() if code != 0}
+
+REDOPS = {0: "none", 1: "sum", 2: "max", 3: "min", 4: "prod"}
+REDOP_CODES = {name: code for code, name in REDOPS.items()}
+
+_BODY = struct.Struct("!4sBBBBBBHIQIIQIQQ")
+_CRC = struct.Struct("!I")
+HEADER_SIZE = _BODY.size + _CRC.size
+assert HEADER_SIZE == 64
+
+MAX_PAYLOAD = 64 << 20          # one frame never carries more than this
+MAX_CONTROL_PAYLOAD = 64 << 10  # HELLO / ABORT / CONTROL payloads
+
+
+@dataclass(frozen=True)
+class Header:
+    type: int
+    kind: int = 0
+    dtype: int = 0
+    redop: int = 0
+    rail: int = 0
+    src: int = 0
+    aux: int = 0
+    op_id: int = 0
+    step: int = 0
+    chunk: int = 0
+    offset: int = 0
+    length: int = 0
+    msg_total: int = 0
+    op_total: int = 0
+
+    def pack(self) -> bytes:
+        return pack(self.type, self.kind, self.dtype, self.redop, self.rail, self.src,
+                    self.aux, self.op_id, self.step, self.chunk, self.offset, self.length,
+                    self.msg_total, self.op_total)
+
+    def describe(self) -> str:
+        return (f"{TYPE_NAMES.get(self.type, self.type)} src={self.src} rail={self.rail} "
+                f"op={self.op_id} step={self.step} chunk={self.chunk} off={self.offset} "
+                f"len={self.length} total={self.msg_total}")
+
+
+def pack(type_, kind, dtype, redop, rail, src, aux, op_id, step, chunk, offset, length,
+         msg_total, op_total) -> bytes:
+    body = _BODY.pack(MAGIC, VERSION, type_, kind, dtype, redop, rail, src, aux, op_id,
+                      step, chunk, offset, length, msg_total, op_total)
+    return body + _CRC.pack(zlib.crc32(body))
+
+
+def unpack(data) -> Header:
+    """Parse and validate a 64-byte header. Raises ProtocolError on anything malformed."""
+    if len(data) != HEADER_SIZE:
+        raise ProtocolError(f"truncated header: {len(data)} of {HEADER_SIZE} bytes")
+    body = bytes(data[:_BODY.size])
+    (magic, version, type_, kind, dtype, redop, rail, src, aux, op_id, step, chunk, offset,
+     length, msg_total, op_total) = _BODY.unpack(body)
+    if magic != MAGIC:
+        raise ProtocolError(f"bad magic {magic!r} (expected {MAGIC!r}): not a nezha peer or garbage")
+    if version != VERSION:
+        raise ProtocolError(f"unsupported wire version {version} (this side speaks {VERSION})")
+    (crc,) = _CRC.unpack(bytes(data[_BODY.size:]))
+    if crc != zlib.crc32(body):
+        raise ProtocolError("header checksum mismatch")
+    if type_ not in TYPE_NAMES:
+        raise ProtocolError(f"unknown frame type {type_}")
+    if kind not in KIND_NAMES:
+        raise ProtocolError(f"unknown collective kind {kind}")
+    if dtype not in DTYPES:
+        raise ProtocolError(f"unknown dtype code {dtype}")
+    if redop not in REDOPS:
+        raise ProtocolError(f"unknown reduction op code {redop}")
+    if type_ == DATA:
+        if length > MAX_PAYLOAD:
+            raise ProtocolError(f"DATA frame too long: {length} bytes")
+        if offset + length > msg_total:
+            raise ProtocolError(f"chunk [{offset}, {offset + length}) outside message of {msg_total} bytes")
+    elif type_ in (HELLO, ABORT, CONTROL):
+        if length > MAX_CONTROL_PAYLOAD:
+            raise ProtocolError(f"{TYPE_NAMES[type_]} payload too long: {length} bytes")
+    elif length != 0:
+        raise ProtocolError(f"{TYPE_NAMES[type_]} frame with a payload of {length} bytes")
+    return Header(type_, kind, dtype, redop, rail, src, aux, op_id, step, chunk, offset,
+                  length, msg_total, op_total)
