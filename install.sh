@@ -16,7 +16,7 @@ if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && [ "${1:-}" != "--force"
     exit 0
 fi
 
-packages=(iproute2 nftables iptables iperf3 mininet ethtool tcpdump procps iputils-ping util-linux kmod python3 python3-venv python3-pip)
+packages=(iproute2 nftables iptables iperf3 mininet bridge-utils ethtool tcpdump procps iputils-ping util-linux kmod python3 python3-venv python3-pip)
 missing=()
 for p in "${packages[@]}"; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

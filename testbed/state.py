@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 import time
 from dataclasses import dataclass, field
@@ -17,6 +18,8 @@ from typing import Optional
 from . import netns
 
 PREFIX = "nzt-"  # every namespace this project creates starts with it
+RUN_NS_RE = re.compile(re.escape(PREFIX) + r"([0-9a-f]{4})-")      # a run's namespaces
+SCRATCH_NS_RE = re.compile(re.escape(PREFIX) + r"[a-z]+-(\d+)$")   # a probe's, with its pid
 STATE_DIR = Path(os.environ.get("NEZHA_TESTBED_STATE", "/run/nezha-testbed"))
 
 
@@ -131,9 +134,10 @@ def find(name_or_id: Optional[str] = None) -> list[RunState]:
 
 
 def clean(everything: bool = False) -> dict:
-    """Remove what dead runs left: their recorded namespaces and files, then any namespace that
-    carries our prefix yet belongs to no live run (a run killed between create and record can't
-    leave one: the record comes first). ``everything`` also tears down live detached fabrics."""
+    """Remove what dead runs left: first the namespaces their run-state files record, then any
+    run namespace (``nzt-XXXX-...``) of no live run and any scratch namespace (``nzt-probe-PID``)
+    whose process is gone; names without our prefix are never touched. ``everything`` also tears
+    down fabrics left up on purpose."""
     removed_ns: list[str] = []
     removed_runs: list[str] = []
     keep: set[str] = set()
@@ -147,7 +151,10 @@ def clean(everything: bool = False) -> dict:
         removed_ns += r.remove_all()
         removed_runs.append(r.run_id)
     for ns in netns.listing():
-        if ns.startswith(PREFIX) and ns not in keep:
+        if ns in keep:
+            continue
+        scratch = SCRATCH_NS_RE.match(ns)
+        if RUN_NS_RE.match(ns) or (scratch and not os.path.exists(f"/proc/{scratch.group(1)}")):
             netns.remove(ns)
             removed_ns.append(ns)
     for tmp in STATE_DIR.glob("*.tmp") if STATE_DIR.is_dir() else []:

@@ -1,0 +1,120 @@
+"""Benchmark: set-up and tear-down time of a fabric, ours (pyroute2) against Mininet building the
+same fabric (hosts, one Linux bridge per rail, TCLink with the same rates), side by side.
+
+    sudo ./tb bench [--repeat 3] [--shapes 8x4,32x2] [--json out.json]
+
+Figures, not a test: it prints min / median / max per system and shape, and the ratio.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from typing import Callable
+
+from . import spec
+from .fabric import Fabric
+
+RATE_MBIT = 100
+
+
+def topology_text(hosts: int, rails: int) -> str:
+    rail_lines = "".join(f"  - {{name: r{k}, bandwidth: {RATE_MBIT}mbit}}\n" for k in range(rails))
+    return f"name: bench-{hosts}x{rails}\nhosts: {hosts}\nrails:\n{rail_lines}"
+
+
+def ours(hosts: int, rails: int) -> tuple[float, float]:
+    fab = Fabric(spec.loads(topology_text(hosts, rails)))
+    t0 = time.monotonic()
+    fab.build()
+    t_up = time.monotonic() - t0
+    t0 = time.monotonic()
+    fab.teardown()
+    return t_up, time.monotonic() - t0
+
+
+def mininet(hosts: int, rails: int) -> tuple[float, float]:
+    """The same fabric in Mininet: switches in namespaces too (no root-namespace links)."""
+    from mininet.link import TCLink
+    from mininet.log import setLogLevel
+    from mininet.net import Mininet
+    from mininet.nodelib import LinuxBridge
+    from mininet.topo import Topo
+
+    setLogLevel("error")
+
+    class RailTopo(Topo):
+        def build(self):
+            sws = [self.addSwitch(f"nztb{k}", cls=LinuxBridge, inNamespace=True, stp=False)
+                   for k in range(rails)]
+            for i in range(hosts):
+                h = self.addHost(f"h{i + 1}", ip=None)
+                for k, sw in enumerate(sws):
+                    self.addLink(h, sw, cls=TCLink, bw=RATE_MBIT,
+                                 params1={"ip": f"198.18.{k}.{i + 1}/24"})
+
+    t0 = time.monotonic()
+    net = Mininet(topo=RailTopo(), controller=None, autoSetMacs=False, autoStaticArp=False,
+                  build=False, waitConnected=False)
+    net.build()
+    net.start()
+    t_up = time.monotonic() - t0
+    t0 = time.monotonic()
+    net.stop()
+    return t_up, time.monotonic() - t0
+
+
+def measure(fn: Callable[[int, int], tuple[float, float]], hosts: int, rails: int,
+            repeat: int) -> dict:
+    ups, downs = [], []
+    for _ in range(repeat):
+        up, down = fn(hosts, rails)
+        ups.append(up)
+        downs.append(down)
+    return {"up": ups, "down": downs}
+
+
+def _fmt(xs: list[float]) -> str:
+    return f"{min(xs):7.2f} {statistics.median(xs):7.2f} {max(xs):7.2f}"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m testbed.bench", description=__doc__.split("\n")[0])
+    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--shapes", default="8x4,32x2", help="HOSTSxRAILS list")
+    p.add_argument("--no-mininet", action="store_true")
+    p.add_argument("--json", help="write the figures here")
+    a = p.parse_args(argv)
+    shapes = [tuple(int(x) for x in s.split("x")) for s in a.shapes.split(",")]
+    systems = {"testbed": ours}
+    if not a.no_mininet:
+        systems["mininet"] = mininet
+    results = {}
+    print(f"{'fabric':<8} {'system':<8} {'up s: min  median     max':<26}  "
+          f"{'down s: min  median     max':<26}")
+    for hosts, rails in shapes:
+        key = f"{hosts}x{rails}"
+        results[key] = {}
+        for name, fn in systems.items():
+            print(f"  .. {key} {name}", file=sys.stderr, flush=True)
+            r = measure(fn, hosts, rails, a.repeat)
+            results[key][name] = r
+            print(f"{key:<8} {name:<8} {_fmt(r['up']):<26}  {_fmt(r['down']):<26}", flush=True)
+        if "mininet" in results[key]:
+            ratio_up = statistics.median(results[key]["mininet"]["up"]) / \
+                statistics.median(results[key]["testbed"]["up"])
+            ratio_down = statistics.median(results[key]["mininet"]["down"]) / \
+                statistics.median(results[key]["testbed"]["down"])
+            results[key]["ratio"] = {"up": ratio_up, "down": ratio_down}
+            print(f"{key:<8} mininet/testbed median: set-up {ratio_up:.1f}x, "
+                  f"tear-down {ratio_down:.1f}x")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(results, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,217 @@
+"""The fault schedule: fires faults at their times on the run's monotonic clock, through the
+fabric's handles only, and undoes each one exactly at its end.
+
+Overlapping faults on one link stack: each active fault is a layer over the link's configured
+shape (rate: the lowest active rate; loss: independent drops combine as 1-(1-a)(1-b); delay: the
+latest), and a link is down while any active fault holds it down. A fault's end removes its own
+layer and re-applies what is left, so it restores exactly what it changed.
+"""
+from __future__ import annotations
+
+import heapq
+import logging
+import threading
+import time
+from dataclasses import replace
+from typing import Callable, Optional
+
+from .fabric import Fabric, Link
+from .scenario import Fault
+from .spec import Shape
+
+log = logging.getLogger(__name__)
+RAIL_REMOVING = ("link-down", "blackhole", "flap")
+
+
+class _LinkLayers:
+    """The active faults on one link, and the shape/state they add up to."""
+
+    def __init__(self, link: Link, base: Shape) -> None:
+        self.link = link
+        self.base = base
+        self.shape_layers: dict[int, dict] = {}
+        self.down_holders: dict[int, str] = {}   # fault index -> end held down
+
+    def effective(self) -> Shape:
+        shape = self.base
+        keep = 1.0 - shape.loss
+        for layer in self.shape_layers.values():
+            if "rate_bps" in layer:
+                rate = layer["rate_bps"]
+                shape = replace(shape, rate_bps=rate if shape.rate_bps is None
+                                else min(rate, shape.rate_bps))
+            if "loss" in layer:
+                keep *= 1.0 - layer["loss"]
+            if "delay_s" in layer:
+                shape = replace(shape, delay_s=layer["delay_s"],
+                                jitter_s=layer.get("jitter_s", 0.0))
+        return replace(shape, loss=round(1.0 - keep, 9))
+
+    def push_shape(self, key: int, layer: dict) -> float:
+        self.shape_layers[key] = layer
+        return self.link.set_shape(self.effective())
+
+    def pop_shape(self, key: int) -> float:
+        self.shape_layers.pop(key, None)
+        return self.link.set_shape(self.effective())
+
+    def hold_down(self, key: int, end: str) -> float:
+        self.down_holders[key] = end
+        return self.link.set_state(False, end)
+
+    def release(self, key: int) -> float:
+        end = self.down_holders.pop(key, None)
+        if end is None:
+            return time.monotonic()
+        still = set(self.down_holders.values())
+        if "both" in still or end in still:
+            return time.monotonic()
+        return self.link.set_state(True, end)
+
+
+class FaultInjector:
+    """Run a fault schedule against a fabric in a background thread."""
+
+    def __init__(self, fabric: Fabric, faults: tuple[Fault, ...],
+                 kill: Optional[Callable[[str, str], None]] = None,
+                 on_event: Optional[Callable[[dict], None]] = None) -> None:
+        self.fabric = fabric
+        self.faults = faults
+        self.kill = kill
+        self.on_event = on_event or (lambda e: None)
+        self.layers = {name: _LinkLayers(link, link.shape) for name, link in fabric.links.items()}
+        self.records: list[dict] = []
+        self.t0 = 0.0
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+        self._lock = threading.Lock()
+        self._active: dict[int, Fault] = {}
+        self.errors: list[str] = []
+
+    # ---------------------------------------------------------------- targets
+    def links_of(self, fault: Fault) -> list[Link]:
+        target = self.fabric.target(fault.target)
+        if fault.target_kind == "link":
+            return [target]
+        if fault.target_kind == "rail":
+            return list(target.links)
+        return self.fabric.host_links(fault.target)
+
+    # ---------------------------------------------------------------- schedule
+    def _plan(self) -> list[tuple[float, int, str, Fault]]:
+        """(offset, order, step, fault): the steps a schedule expands to, in time order."""
+        steps: list[tuple[float, int, str, Fault]] = []
+        n = 0
+        for f in self.faults:
+            steps.append((f.at, n, "start", f)); n += 1
+            if f.action == "flap":
+                half = f.period / 2
+                k, t = 1, f.at + half
+                while t < f.at + f.duration - 1e-9:
+                    steps.append((t, n, "flap-up" if k % 2 else "flap-down", f)); n += 1
+                    k += 1
+                    t = f.at + k * half
+                steps.append((f.at + f.duration, n, "end", f)); n += 1
+            elif f.duration is not None:
+                steps.append((f.at + f.duration, n, "end", f)); n += 1
+        heapq.heapify(steps)
+        return steps
+
+    def start(self, t0: Optional[float] = None) -> None:
+        self.t0 = time.monotonic() if t0 is None else t0
+        self._thread = threading.Thread(target=self._run, name="faults", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        steps = self._plan()
+        while steps and not self._stop.is_set():
+            offset, _, step, fault = steps[0]
+            delay = self.t0 + offset - time.monotonic()
+            if delay > 0 and self._stop.wait(min(delay, 0.05)):
+                break
+            if delay > 0.0005:
+                continue
+            heapq.heappop(steps)
+            try:
+                with self._lock:
+                    self._step(step, fault)
+            except Exception as e:  # a fault that could not be applied is a failed run
+                msg = f"fault {fault.index} ({fault.label}) {step} failed: {e}"
+                log.error(msg)
+                self.errors.append(msg)
+
+    def stop(self) -> None:
+        """Stop firing and undo every fault still active (the run is over)."""
+        self._stop.set()
+        if self._thread:
+            self._thread.join(timeout=5)
+        with self._lock:
+            for fault in list(self._active.values()):
+                try:
+                    self._step("end", fault)
+                except Exception as e:  # the fabric may be going away; report, don't mask
+                    self.errors.append(f"undo of fault {fault.index} failed: {e}")
+
+    # ---------------------------------------------------------------- one step
+    def _record(self, fault: Fault) -> dict:
+        for r in self.records:
+            if r["index"] == fault.index:
+                return r
+        links = self.links_of(fault) if fault.target_kind != "host" or fault.action != "kill" \
+            else []
+        rec = {"index": fault.index, "action": fault.action, "target": fault.target,
+               "target_kind": fault.target_kind, "label": fault.label, "at": fault.at,
+               "for": fault.duration, "t_issued": None, "t_applied": None, "t_end": None,
+               "rails": sorted({l.rail for l in links}), "links": [l.name for l in links],
+               "toggles": []}
+        self.records.append(rec)
+        return rec
+
+    def _step(self, step: str, f: Fault) -> None:
+        rec = self._record(f)
+        t_issued = time.monotonic()
+        key = f.index
+        links = [self.layers[l.name] for l in self.links_of(f)] if f.action != "kill" else []
+        t = t_issued
+        if step == "start":
+            self._active[key] = f
+            if f.action in ("link-down", "flap"):
+                t = max(layer.hold_down(key, f.end) for layer in links)
+            elif f.action == "link-up":
+                for layer in links:   # an explicit link-up ends every down that holds the link
+                    for holder in list(layer.down_holders):
+                        layer.release(holder)
+                t = max((layer.link.set_state(True, f.end) for layer in links), default=t)
+                self._active.pop(key, None)
+            elif f.action == "rate":
+                t = max(layer.push_shape(key, {"rate_bps": f.value}) for layer in links)
+            elif f.action == "loss":
+                t = max(layer.push_shape(key, {"loss": f.value}) for layer in links)
+            elif f.action == "blackhole":
+                t = max(layer.push_shape(key, {"loss": 1.0}) for layer in links)
+            elif f.action == "delay":
+                t = max(layer.push_shape(key, {"delay_s": f.value, "jitter_s": f.jitter})
+                        for layer in links)
+            elif f.action == "kill":
+                if self.kill is None:
+                    raise RuntimeError("no workload process to kill")
+                self.kill(f.target, f.signal)
+                t = time.monotonic()
+                self._active.pop(key, None)
+            rec["t_issued"], rec["t_applied"] = t_issued, t
+        elif step in ("flap-down", "flap-up"):
+            if step == "flap-down":
+                t = max(layer.hold_down(key, f.end) for layer in links)
+            else:
+                t = max(layer.release(key) for layer in links)
+            rec["toggles"].append({"t": t, "state": "down" if step == "flap-down" else "up"})
+        elif step == "end":
+            if key not in self._active:
+                return
+            self._active.pop(key)
+            if f.action in ("link-down", "flap"):
+                t = max(layer.release(key) for layer in links)
+            elif f.action in ("rate", "loss", "blackhole", "delay"):
+                t = max(layer.pop_shape(key) for layer in links)
+            rec["t_end"] = t
+        self.on_event({"t": t, "event": f"fault_{step}", "fault": f.index, "label": f.label})

@@ -1,0 +1,104 @@
+"""Active probes that check a fabric from the outside, as a real client would: iperf3 for rate,
+numbered one-way UDP datagrams for loss, ping for reachability."""
+from __future__ import annotations
+
+import itertools
+import json
+import subprocess
+import sys
+import time
+
+from .fabric import Fabric
+
+_UDP_RX = r"""
+import socket, sys, time
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
+s.bind((sys.argv[1], int(sys.argv[2])))
+print("ready", flush=True)
+seen = set(); s.settimeout(float(sys.argv[3]))
+try:
+    while True:
+        data = s.recv(2048)
+        if data == b"end":
+            break
+        seen.add(int.from_bytes(data[:4], "big"))
+except socket.timeout:
+    pass
+print(len(seen), flush=True)
+"""
+
+_UDP_TX = r"""
+import socket, sys, time
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+s.bind((sys.argv[1], 0))
+dst = (sys.argv[2], int(sys.argv[3])); n = int(sys.argv[4]); gap = float(sys.argv[5])
+pad = bytes(64)
+t = time.monotonic()
+for i in range(n):
+    s.sendto(i.to_bytes(4, "big") + pad, dst)
+    t += gap
+    d = t - time.monotonic()
+    if d > 0:
+        time.sleep(d)
+time.sleep(0.2)
+for _ in range(20):
+    s.sendto(b"end", dst)
+"""
+
+
+_ports = itertools.count(5201)
+
+
+def iperf3(fabric: Fabric, src: str, dst: str, rail: str, seconds: float = 3.0,
+           port: int | None = None) -> float:
+    """TCP goodput in bit/s from ``src`` to ``dst`` over ``rail`` (receiver-side figure)."""
+    topo = fabric.topo
+    port = port or next(_ports)
+    dst_ip, src_ip = topo.address(dst, rail), topo.address(src, rail)
+    server = fabric.hosts[dst].popen(["iperf3", "-s", "-1", "-B", dst_ip, "-p", str(port)],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        for _ in range(100):   # until the server listens
+            r = fabric.hosts[src].run(["iperf3", "-c", dst_ip, "-B", src_ip, "-p", str(port),
+                                       "-t", str(seconds), "-O", "1", "-J"], check=False,
+                                      timeout=seconds + 30)
+            try:
+                result = json.loads(r.stdout)
+            except json.JSONDecodeError:
+                result = {"error": r.stdout[-300:] + r.stderr[-300:]}
+            if r.returncode == 0 and "sum_received" in result.get("end", {}):
+                return float(result["end"]["sum_received"]["bits_per_second"])
+            if "connect" not in str(result.get("error", "")):
+                break    # not a server that is still starting: a real failure
+            time.sleep(0.05)
+        raise RuntimeError(f"iperf3 {src}->{dst} over {rail} failed: {result.get('error')}")
+    finally:
+        server.kill()
+        server.wait()
+
+
+def udp_loss(fabric: Fabric, src: str, dst: str, rail: str, count: int = 5000,
+             gap: float = 0.0002, port: int = 47000) -> float:
+    """Fraction of ``count`` numbered one-way UDP datagrams that did not arrive."""
+    topo = fabric.topo
+    dst_ip, src_ip = topo.address(dst, rail), topo.address(src, rail)
+    rx = fabric.hosts[dst].popen([sys.executable, "-c", _UDP_RX, dst_ip, str(port), "2.0"],
+                                 stdout=subprocess.PIPE, text=True)
+    try:
+        assert rx.stdout.readline().strip() == "ready"
+        fabric.hosts[src].run([sys.executable, "-c", _UDP_TX, src_ip, dst_ip, str(port),
+                               str(count), str(gap)], timeout=count * gap + 30)
+        out, _ = rx.communicate(timeout=30)
+        return 1.0 - int(out.split()[-1]) / count
+    finally:
+        if rx.poll() is None:
+            rx.kill()
+            rx.wait()
+
+
+def reachable(fabric: Fabric, src: str, dst: str, rail: str, timeout_s: float = 1.0) -> bool:
+    ip = fabric.topo.address(dst, rail)
+    r = fabric.hosts[src].run(["ping", "-c", "1", "-W", str(timeout_s), "-I", rail, ip],
+                              check=False, timeout=timeout_s + 5)
+    return r.returncode == 0

@@ -1,0 +1,197 @@
+"""Workloads: launch one rank per host inside the fabric and collect what every rank recorded.
+
+A workload is a list of phases (one system at one message size); `allreduce` is one phase,
+`sweep` and `compare` are several, run one after another on the same fabric. `command` runs the
+user's own program on every host with the rails and the rendezvous in environment variables.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Optional
+
+from .fabric import Fabric
+from .scenario import Workload
+
+BASE_PORT = 29500
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass
+class Phase:
+    system: str
+    size: int
+    iterations: Optional[int]
+    duration: Optional[float]
+    name: str = ""
+
+
+@dataclass
+class RankProcess:
+    host: str
+    rank: int
+    proc: subprocess.Popen
+    results: Path
+    events: Path
+    log: Path
+    killed: bool = False
+
+
+@dataclass
+class PhaseResult:
+    phase: Phase
+    ranks: list[dict] = field(default_factory=list)       # host, rank, exit code, killed, error
+    iterations: list[dict] = field(default_factory=list)  # every rank's iteration records
+    events: list[dict] = field(default_factory=list)      # every rank's Nezha events
+    t_start: float = 0.0
+    t_end: float = 0.0
+    timed_out: bool = False
+
+
+def phases(w: Workload) -> list[Phase]:
+    if w.kind == "allreduce":
+        return [Phase(w.system, w.size, w.iterations, w.duration, f"{w.system}")]
+    if w.kind == "sweep":
+        sizes = w.sizes or (w.size,)
+        return [Phase(w.system, s, w.iterations or 5, None, f"{w.system}-{s}") for s in sizes]
+    if w.kind == "compare":
+        sizes = w.sizes or (w.size,)
+        return [Phase(sys_, s, w.iterations or 5, None, f"{sys_}-{s}")
+                for s in sizes for sys_ in w.systems]
+    if w.kind == "command":
+        return [Phase("command", 0, w.iterations, w.duration, "command")]
+    return []
+
+
+def _read_jsonl(path: Path) -> list[dict]:
+    out = []
+    try:
+        with open(path) as f:
+            for line in f:
+                line = line.strip()
+                if line:
+                    try:
+                        out.append(json.loads(line))
+                    except json.JSONDecodeError:
+                        continue  # a rank killed mid-write leaves half a line
+    except FileNotFoundError:
+        pass
+    return out
+
+
+class WorkloadRunner:
+    """Launches ranks on the fabric's hosts; `kill(host, signal)` serves the fault schedule."""
+
+    def __init__(self, fabric: Fabric, workload: Workload, out_dir: Path,
+                 progress: Callable[[str], None] = lambda m: None) -> None:
+        self.fabric = fabric
+        self.workload = workload
+        self.out_dir = out_dir
+        self.progress = progress
+        self.hosts = list(workload.hosts or fabric.topo.hosts)
+        self.current: list[RankProcess] = []
+        self._port = BASE_PORT
+
+    def env_for(self, host: str, rank: int, port: int, phase: Phase, events: Path,
+                results: Path) -> dict:
+        topo = self.fabric.topo
+        master = topo.address(self.hosts[0], topo.rails[0].name)
+        env = dict(os.environ)
+        env.update({
+            "NEZHA_RANK": str(rank), "NEZHA_WORLD_SIZE": str(len(self.hosts)),
+            "NEZHA_MASTER_ADDR": master, "NEZHA_MASTER_PORT": str(port),
+            "NEZHA_RAILS": ",".join(topo.address(host, r.name) for r in topo.rails),
+            "NEZHA_RAIL_NAMES": ",".join(r.name for r in topo.rails),
+            "NEZHA_EVENT_LOG": str(events), "NEZHA_RESULTS": str(results),
+            "NEZHA_SYSTEM": phase.system, "TESTBED_HOST": host,
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT),
+                                                         os.environ.get("PYTHONPATH")])),
+            "PYTHONUNBUFFERED": "1",
+        })
+        return env
+
+    def argv(self, phase: Phase) -> list[str]:
+        w = self.workload
+        if phase.system == "command":
+            return list(w.command)
+        argv = [sys.executable, "-m", "nezha.worker", "--system", phase.system,
+                "--size", str(phase.size), "--dtype", w.dtype, "--op", w.op]
+        if phase.iterations:
+            argv += ["--iterations", str(phase.iterations)]
+        elif phase.duration:
+            argv += ["--duration", str(phase.duration)]
+        return argv
+
+    def launch(self, phase: Phase, index: int) -> list[RankProcess]:
+        self._port += 1
+        procs = []
+        for rank, host in enumerate(self.hosts):
+            stem = self.out_dir / f"{index:02d}-{phase.name}-{host}"
+            results, events, logf = (Path(f"{stem}.results.jsonl"), Path(f"{stem}.events.jsonl"),
+                                     Path(f"{stem}.log"))
+            env = self.env_for(host, rank, self._port, phase, events, results)
+            with open(logf, "w") as log:
+                proc = self.fabric.hosts[host].popen(self.argv(phase), env=env, stdout=log,
+                                                     stderr=subprocess.STDOUT,
+                                                     stdin=subprocess.DEVNULL, cwd=REPO_ROOT)
+            procs.append(RankProcess(host, rank, proc, results, events, logf))
+        self.current = procs
+        return procs
+
+    def kill(self, host: str, sig: str = "KILL") -> None:
+        for rp in self.current:
+            if rp.host == host and rp.proc.poll() is None:
+                rp.killed = True
+                # nsenter execs the program, so the pid is the rank itself
+                rp.proc.send_signal(getattr(signal, f"SIG{sig}"))
+
+    def wait(self, procs: list[RankProcess], timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if all(rp.proc.poll() is not None for rp in procs):
+                return True
+            time.sleep(0.05)
+        for rp in procs:
+            if rp.proc.poll() is None:
+                rp.proc.kill()
+                rp.proc.wait()
+        return False
+
+    def run_phase(self, phase: Phase, index: int) -> PhaseResult:
+        res = PhaseResult(phase, t_start=time.monotonic())
+        procs = self.launch(phase, index)
+        limit = self.workload.timeout + (phase.duration or 0)
+        res.timed_out = not self.wait(procs, limit)
+        res.t_end = time.monotonic()
+        for rp in procs:
+            code = rp.proc.returncode
+            tail = rp.log.read_text(errors="replace").strip().splitlines()[-3:] \
+                if rp.log.exists() else []
+            res.ranks.append({"host": rp.host, "rank": rp.rank, "exit_code": code,
+                              "killed": rp.killed, "log": str(rp.log),
+                              "error": None if code == 0 else " | ".join(tail)})
+            for rec in _read_jsonl(rp.results):
+                rec.setdefault("rank", rp.rank)
+                rec.setdefault("system", phase.system)
+                rec["phase"] = index
+                res.iterations.append(rec)
+            for ev in _read_jsonl(rp.events):
+                ev.setdefault("rank", rp.rank)
+                ev["phase"] = index
+                res.events.append(ev)
+        return res
+
+    def run(self, on_phase: Callable[[int, int, Phase], None] = lambda i, n, p: None
+            ) -> list[PhaseResult]:
+        out = []
+        plan = phases(self.workload)
+        for i, phase in enumerate(plan):
+            on_phase(i, len(plan), phase)
+            out.append(self.run_phase(phase, i))
+        return out

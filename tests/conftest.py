@@ -1,0 +1,50 @@
+"""Shared fixtures. Tests that need root and namespaces are marked `netns`; where those are not
+available they are skipped with the reason shown (CI runs as root, so there they run)."""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+
+import pytest
+
+from testbed import netns, state
+
+
+def _netns_unavailable() -> str | None:
+    if os.geteuid() != 0:
+        return "needs root for network namespaces (run: sudo ./tb test)"
+    try:
+        subprocess.run(["ip", "netns", "list"], check=True, capture_output=True)
+    except (OSError, subprocess.CalledProcessError) as e:
+        return f"network namespaces unusable here: {e}"
+    return None
+
+
+def pytest_collection_modifyitems(config, items):
+    reason = _netns_unavailable()
+    if reason is None:
+        return
+    for item in items:
+        if "netns" in item.keywords:
+            item.add_marker(pytest.mark.skip(reason=reason))
+
+
+def root_snapshot() -> dict:
+    """The root namespace's links, addresses and routes, to prove we never touch them."""
+    def out(*argv):
+        return subprocess.run(argv, capture_output=True, text=True, check=True).stdout
+    links = sorted(line.split()[1] for line in out("ip", "-o", "link").splitlines())
+    return {"links": links, "addrs": out("ip", "-o", "addr"), "routes": out("ip", "route")}
+
+
+@pytest.fixture
+def no_leftovers():
+    """Asserts that a test leaves no namespace of ours and an unchanged root namespace."""
+    before_ns = set(netns.listing())
+    before_root = root_snapshot()
+    yield
+    run_ns = re.compile(re.escape(state.PREFIX) + r"[0-9a-f]{4}-")
+    ours = [n for n in set(netns.listing()) - before_ns if run_ns.match(n)]
+    assert not ours, f"namespaces left behind: {ours}"
+    assert root_snapshot() == before_root, "the root namespace changed"

@@ -1,0 +1,126 @@
+"""The fabric on real namespaces: configured rates and loss are what real clients measure, link
+faults cut exactly one rail, and nothing outlives the fabric."""
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from testbed import probes, spec
+from testbed.capabilities import probe
+from testbed.fabric import Fabric
+
+pytestmark = pytest.mark.netns
+
+RATES = """
+name: rates
+hosts: 3
+rails:
+  - {name: r0, bandwidth: 50mbit}
+  - {name: r1, bandwidth: 200mbit}
+  - {name: r2, bandwidth: 500mbit}
+links:
+  h3.r1: {bandwidth: 20mbit}
+"""
+
+
+@pytest.fixture(scope="module")
+def rates_fabric():
+    with Fabric(spec.loads(RATES)) as fab:
+        yield fab
+
+
+@pytest.mark.parametrize("rail,mbit", [("r0", 50), ("r1", 200), ("r2", 500)])
+def test_iperf3_measures_the_configured_rate(rates_fabric, rail, mbit):
+    measured = probes.iperf3(rates_fabric, "h1", "h2", rail, seconds=3)
+    assert measured == pytest.approx(mbit * 1e6, rel=0.05), f"{rail}: {measured / 1e6:.1f} Mbit/s"
+
+
+def test_per_host_override_is_honoured(rates_fabric):
+    # h3's attachment to r1 is 20 Mbit/s while the rail is 200: both directions obey it
+    to_h3 = probes.iperf3(rates_fabric, "h1", "h3", "r1", seconds=3)
+    assert to_h3 == pytest.approx(20e6, rel=0.05), f"{to_h3 / 1e6:.1f} Mbit/s"
+    from_h3 = probes.iperf3(rates_fabric, "h3", "h2", "r1", seconds=3)
+    assert from_h3 == pytest.approx(20e6, rel=0.05), f"{from_h3 / 1e6:.1f} Mbit/s"
+
+
+def test_status_reads_shaping_back_from_the_kernel(rates_fabric):
+    link = rates_fabric.links["h3.r1"]
+    assert link.up_shaper.read_back().rate_bps == pytest.approx(20e6, rel=0.01)
+    assert link.down_shaper.read_back().rate_bps == pytest.approx(20e6, rel=0.01)
+    assert rates_fabric.links["h1.r2"].up_shaper.read_back().rate_bps == pytest.approx(500e6, rel=0.01)
+
+
+def test_configured_loss_is_what_crosses(no_leftovers):
+    """5 % loss on h1's attachment: 5 +- 1 % of 6000 one-way probes from h1 to h2 are lost."""
+    caps = probe()
+    topo = spec.loads("hosts: 2\nrails: [{name: r0, bandwidth: 100mbit}]\n"
+                      "links: {h1.r0: {loss: 5%}}\n")
+    with Fabric(topo, caps) as fab:
+        lost = probes.udp_loss(fab, "h1", "h2", "r0", count=6000)
+        assert lost == pytest.approx(0.05, abs=0.01), f"lost {lost:.4f}"
+        assert fab.links["h1.r0"].up_shaper.describe()["loss_method"] == caps.loss_method
+        assert caps.loss_method in ("netem", "nftables")
+
+
+def test_rail_loss_applies_on_each_hop(no_leftovers):
+    """Rail-wide loss shapes every link, so host -> switch -> host crosses it twice."""
+    topo = spec.loads("hosts: 2\nrails: [{name: r0, bandwidth: 100mbit, loss: 5%}]\n")
+    with Fabric(topo) as fab:
+        lost = probes.udp_loss(fab, "h1", "h2", "r0", count=6000)
+        assert lost == pytest.approx(1 - 0.95 ** 2, abs=0.015), f"lost {lost:.4f}"
+
+
+def test_configured_loss_direct_wiring_single_hop(no_leftovers):
+    topo = spec.loads("hosts: 2\nwiring: direct\nrails: [{name: r0, bandwidth: 100mbit, loss: 5%}]\n")
+    with Fabric(topo) as fab:
+        lost = probes.udp_loss(fab, "h1", "h2", "r0", count=6000)
+        assert lost == pytest.approx(0.05, abs=0.01), f"lost {lost:.4f}"
+
+
+def test_link_down_cuts_that_rail_only_and_up_restores(no_leftovers):
+    topo = spec.loads("hosts: 3\nrails: [{name: r0, bandwidth: 100mbit}, {name: r1, bandwidth: 100mbit}]\n")
+    with Fabric(topo) as fab:
+        assert all(probes.reachable(fab, "h1", h, r) for h in ("h2", "h3") for r in ("r0", "r1"))
+        t = fab.links["h2.r1"].set_state(False)
+        assert time.monotonic() - t < 1.0
+        assert not probes.reachable(fab, "h1", "h2", "r1")
+        assert probes.reachable(fab, "h1", "h2", "r0")
+        assert probes.reachable(fab, "h1", "h3", "r1")
+        fab.links["h2.r1"].set_state(True)
+        deadline = time.monotonic() + 3
+        while not probes.reachable(fab, "h1", "h2", "r1") and time.monotonic() < deadline:
+            pass
+        assert probes.reachable(fab, "h1", "h2", "r1")
+
+
+def test_whole_rail_down_and_one_end_down(no_leftovers):
+    topo = spec.loads("hosts: 3\nrails: [{name: r0}, {name: r1}]\n")
+    with Fabric(topo) as fab:
+        fab.rails["r1"].set_state(False)
+        assert not any(probes.reachable(fab, "h1", h, "r1") for h in ("h2", "h3"))
+        assert all(probes.reachable(fab, "h1", h, "r0") for h in ("h2", "h3"))
+        fab.rails["r1"].set_state(True)
+        fab.links["h3.r0"].set_state(False, end="switch")   # only the switch port
+        assert not fab.links["h3.r0"].peer_end.is_up() and fab.links["h3.r0"].host_end.is_up()
+        assert not probes.reachable(fab, "h1", "h3", "r0")
+
+
+def test_runtime_rate_change_is_in_place_and_fast(no_leftovers):
+    topo = spec.loads("hosts: 2\nrails: [{name: r0, bandwidth: 200mbit}]\n")
+    with Fabric(topo) as fab:
+        link = fab.links["h1.r0"]
+        t0 = time.monotonic()
+        t_applied = link.update_shape(rate_bps=50_000_000)
+        assert t_applied - t0 < 0.05
+        assert link.up_shaper.read_back().rate_bps == pytest.approx(50e6, rel=0.01)
+        measured = probes.iperf3(fab, "h1", "h2", "r0", seconds=2)
+        assert measured == pytest.approx(50e6, rel=0.06)
+
+
+def test_direct_wiring_reaches_peer_without_switch(no_leftovers):
+    topo = spec.loads("hosts: 2\nwiring: direct\nrails: [{name: r0, bandwidth: 100mbit}, {name: r1}]\n")
+    with Fabric(topo) as fab:
+        assert fab.rails["r0"].ns is None
+        assert probes.reachable(fab, "h1", "h2", "r0") and probes.reachable(fab, "h2", "h1", "r1")
+        assert len(fab.state.namespaces) == 2

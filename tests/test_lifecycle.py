@@ -1,0 +1,120 @@
+"""Lifecycle through the CLI as a user types it: up / status / exec / down, Ctrl-C during up,
+SIGKILL then clean. Afterwards nothing of ours remains and the root namespace is untouched."""
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from testbed import netns, state
+
+pytestmark = pytest.mark.netns
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def tb(*args, check=True, timeout=120) -> subprocess.CompletedProcess:
+    r = subprocess.run([sys.executable, "-m", "testbed", *args], capture_output=True, text=True,
+                       cwd=ROOT, timeout=timeout)
+    if check and r.returncode != 0:
+        raise AssertionError(f"testbed {' '.join(args)} exited {r.returncode}: {r.stderr}")
+    return r
+
+
+def ours() -> list[str]:
+    return [n for n in netns.listing() if state.RUN_NS_RE.match(n)]
+
+
+@pytest.fixture
+def small(tmp_path) -> Path:
+    p = tmp_path / "small.yaml"
+    p.write_text("name: small\nhosts: 2\nrails: [{name: r0, bandwidth: 100mbit}, "
+                 "{name: r1, bandwidth: 50mbit, loss: 1%}]\n")
+    return p
+
+
+@pytest.fixture
+def big(tmp_path) -> Path:
+    p = tmp_path / "big.yaml"
+    p.write_text("name: big\nhosts: 24\nrails: [{name: r0, bandwidth: 100mbit}, "
+                 "{name: r1, bandwidth: 100mbit}, {name: r2, bandwidth: 100mbit}]\n")
+    return p
+
+
+def test_up_status_exec_down(small, no_leftovers):
+    r = tb("up", str(small))
+    assert "is up" in r.stdout
+    st = tb("status")
+    assert "h1.r1" in st.stdout and "50mbit" in st.stdout and "loss 1%" in st.stdout
+    ex = tb("exec", "h1", "--", "ip", "-o", "-4", "addr", "show", "dev", "r1")
+    assert "198.18.1.1/24" in ex.stdout
+    ping = tb("exec", "h1", "--", "ping", "-c", "1", "-W", "2", "198.18.0.2")
+    assert ping.returncode == 0
+    second = tb("up", str(small))   # a second fabric of the same file coexists
+    assert "is up" in second.stdout
+    amb = tb("down", check=False)
+    assert amb.returncode == 1 and "several fabrics" in amb.stderr
+    for rs in state.find("small"):
+        tb("down", rs.run_id)
+    assert not ours()
+    assert tb("status").stdout.strip() == "no fabric is up"
+
+
+def _wait_for_build_start(proc, timeout=20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if len(ours()) >= 3:
+            return
+        if proc.poll() is not None:
+            raise AssertionError(f"up ended early: {proc.stderr.read()}")
+        time.sleep(0.005)
+    raise AssertionError("the build never started")
+
+
+def test_ctrl_c_during_up_removes_everything(big, no_leftovers):
+    proc = subprocess.Popen([sys.executable, "-m", "testbed", "up", str(big)], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _wait_for_build_start(proc)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert "interrupted" in err
+    assert not ours()
+    assert not list(state.STATE_DIR.glob("*.json")) or all(r.live for r in state.runs())
+
+
+def test_sigkill_during_up_then_clean(big, no_leftovers):
+    proc = subprocess.Popen([sys.executable, "-m", "testbed", "up", str(big)], cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    _wait_for_build_start(proc)
+    proc.kill()
+    proc.wait()
+    left = ours()
+    assert left, "a SIGKILLed build should leave prefixed namespaces for clean to find"
+    assert all(n.startswith(state.PREFIX) for n in left)
+    r = tb("clean")
+    assert "removed" in r.stdout
+    assert not ours()
+    assert tb("clean").stdout.strip() == "nothing to clean"
+
+
+def test_validate_refuses_bad_file_and_builds_nothing(tmp_path, no_leftovers):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("hosts: 2\nrails: [{name: r0, bandwidth: 100mbit}]\nlinks: {h9.r0: {}}\n")
+    for verb in ("validate", "up", "run"):
+        r = tb(verb, str(bad), check=False)
+        assert r.returncode == 2, (verb, r.stderr)
+        assert "links.h9.r0" in r.stderr
+    assert not ours()
+
+
+def test_doctor_reports_features(no_leftovers):
+    r = tb("doctor", check=False)
+    for feature in ("netns", "veth", "bridge", "htb", "tbf", "netem", "nftables", "mptcp",
+                    "iperf3", "mnexec"):
+        assert feature in r.stdout
+    assert "loss is emulated with" in r.stdout
+    assert r.returncode == 0
