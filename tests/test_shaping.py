@@ -1,0 +1,379 @@
+"""DirectionShaper on a real veth pair between two namespaces, measured with iperf3 and UDP."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+
+from testbed import shaping
+from testbed.errors import CapabilityError, ShapingMismatch
+from testbed.shaping import (CLASS_HANDLE, HTB_HANDLE, DirectionShaper, decode_netem,
+                             decode_nft_rule, netem_kwargs, nft_rule, shapes_match)
+from testbed.spec import Shape
+
+MBIT = 1_000_000
+A_IP, B_IP = "198.18.0.1", "198.18.0.2"
+root_only = pytest.mark.skipif(os.geteuid() != 0, reason="needs root for network namespaces")
+
+
+# ---- message building, no kernel needed -------------------------------------------------------
+def test_htb_parameters():
+    # bucket: never below two 64 KiB GSO skbs; 4 ms at high rates
+    assert shaping.htb_burst(50 * MBIT) == 2 * (65536 + 1514)
+    assert shaping.htb_burst(1000 * MBIT) == 500_000
+    assert shaping.htb_quantum(500 * MBIT) == 62_500
+    assert shaping.htb_quantum(1 * MBIT) == 1514
+    assert shaping.htb_quantum(10_000 * MBIT) == 200_000
+    assert shaping.fifo_limit(50 * MBIT) == 1000
+    assert shaping.fifo_limit(1000 * MBIT) == 8257
+    kw = shaping.htb_class_kwargs(200 * MBIT + 3)
+    assert kw["rate"] == kw["ceil"] == 25_000_000 and kw["burst"] == kw["cburst"]
+
+
+def test_netem_message_round_trip():
+    """The netem options pyroute2 would send, encoded and decoded as the kernel's dump."""
+    from pyroute2.netlink.rtnl.tcmsg import sched_netem, tcmsg
+    shape = Shape(rate_bps=100 * MBIT, loss=0.05, delay_s=0.010, jitter_s=0.002)
+    kw = netem_kwargs(shape)
+    assert kw["delay"] == 10_000 and kw["jitter"] == 2_000 and kw["loss"] == pytest.approx(5.0)
+    # limit covers the fifo plus twice rate x (delay + 4 jitter) in MTU frames
+    assert kw["limit"] >= 1000 + 2 * (100 * MBIT / 8 * 0.018 / 1514)
+    msg = tcmsg()
+    msg["index"], msg["handle"], msg["parent"] = 1, 0x100000, CLASS_HANDLE
+    msg["attrs"] = [["TCA_KIND", "netem"], ["TCA_OPTIONS", sched_netem.get_parameters(kw)]]
+    msg.encode()
+    back = tcmsg(msg.data)
+    back.decode()
+    opts = back.get_attr("TCA_OPTIONS")
+    loss, delay, jitter = decode_netem(opts)
+    assert opts["limit"] == kw["limit"]
+    assert abs(loss - 0.05) < 1e-6 and abs(delay - 0.010) < 1e-6 and abs(jitter - 0.002) < 1e-6
+    assert shapes_match(shape, Shape(100 * MBIT, loss, delay, jitter))
+    # unshaped rate: the queue is sized for veth's ~10 Gbit/s
+    assert netem_kwargs(Shape(delay_s=0.05))["limit"] > 80_000
+    black_hole = sched_netem.get_parameters(netem_kwargs(Shape(loss=1.0)))
+    assert black_hole["loss"] == 0xFFFFFFFF
+
+
+def test_nft_rule_text_and_decode():
+    assert nft_rule(0.05) == "numgen random mod 1000000 < 50000 counter drop"
+    assert nft_rule(1.0) == "counter drop"
+    assert decode_nft_rule([{"counter": {"packets": 1, "bytes": 2}}, {"drop": None}]) == 1.0
+    expr = [{"match": {"op": "<", "left": {"numgen": {"mode": "random", "mod": 1000000,
+                                                       "offset": 0}}, "right": 50000}},
+            {"counter": {"packets": 3, "bytes": 300}}, {"drop": None}]
+    assert decode_nft_rule(expr) == 0.05
+    assert decode_nft_rule(expr[:2]) is None      # no drop: not ours
+    with pytest.raises(ValueError):
+        shaping.loss_threshold(1.5)
+    accept = [{"accept": None}]
+    assert shaping.nft_generation(0.05) == [nft_rule(0.05), "accept"]
+    assert shaping.nft_generation(0) == ["accept"]
+    assert shaping.nft_generation(1.0) == ["counter drop"]
+    # head generation decides; rules behind it are dead
+    assert shaping.decode_nft_chain([expr, accept, accept]) == (0.05, 2)
+    assert shaping.decode_nft_chain([accept, expr, accept]) == (0.0, 1)
+    assert shaping.decode_nft_chain([[{"counter": {}}, {"drop": None}], expr]) == (1.0, 1)
+    assert shaping.decode_nft_chain([]) == (0.0, 0)
+    with pytest.raises(ValueError):
+        shaping.decode_nft_chain([expr, expr])        # a second drop would compound the loss
+
+
+def test_shapes_match_tolerances():
+    assert shapes_match(Shape(200 * MBIT + 5), Shape(200 * MBIT))
+    assert not shapes_match(Shape(200 * MBIT), Shape(199 * MBIT))
+    assert not shapes_match(Shape(None), Shape(1 * MBIT))
+    assert not shapes_match(Shape(loss=0.05), Shape(loss=0.0501))
+    assert shapes_match(Shape(delay_s=0.01), Shape(delay_s=0.0100005))
+
+
+# ---- real namespaces -------------------------------------------------------------------------
+def _sh(*cmd, **kw):
+    return subprocess.run(list(cmd), check=True, capture_output=True, text=True, **kw)
+
+
+@pytest.fixture(scope="module")
+def pair():
+    """Two namespaces joined by a veth (ta in A, tb in B); yields (ipr_a, ipr_b, ns_a, ns_b)."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root for network namespaces")
+    from pyroute2 import IPRoute, netns
+    ns_a, ns_b = f"nzt-shtest-{os.getpid()}-a", f"nzt-shtest-{os.getpid()}-b"
+    netns.create(ns_a)
+    netns.create(ns_b)
+    ipr_a = ipr_b = None
+    try:
+        ipr_a, ipr_b = IPRoute(netns=ns_a), IPRoute(netns=ns_b)
+        ipr_a.link("add", ifname="ta", kind="veth", peer={"ifname": "tb", "net_ns_fd": ns_b})
+        ia, ib = ipr_a.link_lookup(ifname="ta")[0], ipr_b.link_lookup(ifname="tb")[0]
+        ipr_a.addr("add", index=ia, address=A_IP, prefixlen=24)
+        ipr_b.addr("add", index=ib, address=B_IP, prefixlen=24)
+        for ipr, idx in ((ipr_a, ia), (ipr_b, ib)):
+            ipr.link("set", index=idx, state="up")
+            ipr.link("set", index=ipr.link_lookup(ifname="lo")[0], state="up")
+        yield ipr_a, ipr_b, ns_a, ns_b
+    finally:
+        for ipr in (ipr_a, ipr_b):
+            if ipr is not None:
+                ipr.close()
+        for ns in (ns_a, ns_b):
+            try:
+                netns.remove(ns)
+            except Exception:
+                pass
+
+
+@pytest.fixture(scope="module")
+def caps():
+    from testbed.capabilities import probe
+    return probe()
+
+
+@pytest.fixture
+def shaper(pair, caps):
+    ipr_a, ipr_b, ns_a, ns_b = pair
+    s = DirectionShaper(ipr_a, ns_a, "ta", ipr_b, ns_b, "tb", caps, mtu=1500, name="h1.r0:up")
+    yield s
+    s.clear()
+
+
+def _iperf3(ns_a, ns_b, seconds=3, port=5201) -> dict:
+    if shutil.which("iperf3") is None:
+        pytest.skip("iperf3 not installed")
+    server = subprocess.Popen(["ip", "netns", "exec", ns_b, "iperf3", "-s", "-1", "-p", str(port),
+                               "-B", B_IP], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        for _ in range(50):   # wait until the server listens
+            r = subprocess.run(["ip", "netns", "exec", ns_b, "ss", "-Hltn", f"sport = :{port}"],
+                               capture_output=True, text=True)
+            if r.stdout.strip():
+                break
+            time.sleep(0.02)
+        out = _sh("ip", "netns", "exec", ns_a, "iperf3", "-c", B_IP, "-p", str(port),
+                  "-t", str(seconds), "-O", "1", "-J", timeout=seconds + 20).stdout
+        return json.loads(out)
+    finally:
+        try:
+            server.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+
+
+def _goodput(result: dict) -> float:
+    return result["end"]["sum_received"]["bits_per_second"]
+
+
+def _wire_rate(result: dict, mtu: int = 1500) -> float:
+    """The L2 rate htb shapes, from iperf3's goodput: every full segment of MSS payload bytes
+    is an MTU + 14 byte frame (1448 -> 1514: goodput can never exceed 95.6 % of the rate)."""
+    mss = result["start"].get("tcp_mss_default") or 1448
+    return _goodput(result) * (mtu + 14) / mss
+
+
+def _check_rate(result: dict, mbit: int, what: str) -> None:
+    rate = mbit * MBIT
+    got, wire = _goodput(result), _wire_rate(result)
+    print(f"\n{what}: iperf3 TCP goodput {got / MBIT:.1f} Mbit/s ({(got / rate - 1) * 100:+.2f}% "
+          f"of {mbit} Mbit/s), on the wire {wire / MBIT:.1f} Mbit/s ({(wire / rate - 1) * 100:+.2f}%)")
+    assert got <= rate                       # the shaper never lets more through
+    assert abs(wire / rate - 1) <= 0.05      # within 5 % of the set (L2) rate
+
+
+RECEIVER = r"""
+import socket, sys
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 << 20)
+s.bind((sys.argv[1], int(sys.argv[2])))
+print("ready", flush=True)
+s.settimeout(5.0)
+seen = set()
+try:
+    while True:
+        data, _ = s.recvfrom(2048)
+        seen.add(int(data[:8]))
+        s.settimeout(0.5)
+except socket.timeout:
+    pass
+print(len(seen), flush=True)
+"""
+
+SENDER = r"""
+import socket, sys, time
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+n = int(sys.argv[3])
+pad = b"x" * 92
+for i in range(n):
+    s.sendto(b"%08d" % i + pad, (sys.argv[1], int(sys.argv[2])))
+    if i % 200 == 199:
+        time.sleep(0.002)
+"""
+
+
+def _udp_probe(ns_a, ns_b, n, port=9999) -> int:
+    """Send n one-way UDP probes A -> B; return how many distinct ones B received."""
+    rx = subprocess.Popen(["ip", "netns", "exec", ns_b, sys.executable, "-c", RECEIVER, B_IP,
+                           str(port)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert rx.stdout.readline().strip() == "ready"
+        _sh("ip", "netns", "exec", ns_a, sys.executable, "-c", SENDER, B_IP, str(port), str(n),
+            timeout=60)
+        out, _ = rx.communicate(timeout=30)
+        return int(out.strip())
+    finally:
+        if rx.poll() is None:
+            rx.kill()
+            rx.wait()
+
+
+def _class(ipr, ifname):
+    idx = ipr.link_lookup(ifname=ifname)[0]
+    return next(c for c in ipr.get_classes(index=idx) if c["handle"] == CLASS_HANDLE)
+
+
+def _class_bytes(ipr, ifname) -> int:
+    return _class(ipr, ifname).get_attr("TCA_STATS2").get_attr("TCA_STATS_BASIC")["bytes"]
+
+
+@root_only
+@pytest.mark.slow
+@pytest.mark.parametrize("mbit", [50, 200, 500])
+def test_iperf3_rate_accuracy(pair, shaper, mbit):
+    _, _, ns_a, ns_b = pair
+    shape = Shape(rate_bps=mbit * MBIT)
+    shaper.apply(shape)
+    assert shaper.read_back() == shape
+    _check_rate(_iperf3(ns_a, ns_b, seconds=3), mbit, f"{mbit} Mbit/s")
+
+
+@root_only
+@pytest.mark.slow
+def test_runtime_rate_change_in_place(pair, shaper):
+    ipr_a, _, ns_a, ns_b = pair
+    shaper.apply(Shape(rate_bps=200 * MBIT))
+    _iperf3(ns_a, ns_b, seconds=1)       # put bytes on the class counters
+    before = _class_bytes(ipr_a, "ta")
+    assert before > 0
+    t0 = time.monotonic()
+    acked = shaper.change(Shape(rate_bps=50 * MBIT))
+    elapsed = time.monotonic() - t0
+    print(f"\nrate change 200 -> 50 mbit: {elapsed * 1e3:.2f} ms (kernel ack after "
+          f"{(acked - t0) * 1e3:.2f} ms)")
+    assert elapsed < 0.050
+    assert t0 <= acked <= time.monotonic()
+    # same qdisc and class handles, not rebuilt: the class's byte counter survived the change
+    idx = ipr_a.link_lookup(ifname="ta")[0]
+    assert [q["handle"] for q in ipr_a.get_qdiscs(index=idx)
+            if q["index"] == idx and q["parent"] == 0xFFFFFFFF] == [HTB_HANDLE]
+    assert _class_bytes(ipr_a, "ta") >= before
+    assert shaper.read_back() == Shape(rate_bps=50 * MBIT)
+    _check_rate(_iperf3(ns_a, ns_b, seconds=3), 50, "after change to 50 Mbit/s")
+
+
+@root_only
+def test_loss_5_percent_measured(pair, shaper, caps):
+    if caps.loss_method is None:
+        pytest.skip("neither netem nor nftables")
+    _, _, ns_a, ns_b = pair
+    shaper.apply(Shape(loss=0.05))
+    desc = shaper.describe()
+    assert desc["loss_method"] == caps.loss_method
+    if not caps.netem:
+        assert desc["loss_method"] == "nftables" and desc["qdiscs"] == []
+        assert "< 50000" in desc["nft"]
+    assert shaper.read_back() == Shape(loss=0.05)
+    n = 10_000
+    got = _udp_probe(ns_a, ns_b, n)
+    lost = (n - got) / n
+    print(f"\nloss 5%: {n - got} of {n} probes lost = {lost * 100:.2f}% via {desc['loss_method']}")
+    assert 0.04 <= lost <= 0.06
+    if not caps.netem:
+        assert shaper.describe()["nft_drops"] == n - got   # every loss is ours
+
+
+@root_only
+def test_loss_change_5_0_100(pair, shaper, caps):
+    if caps.loss_method is None:
+        pytest.skip("neither netem nor nftables")
+    _, _, ns_a, ns_b = pair
+    shape = Shape(rate_bps=200 * MBIT, loss=0.05)
+    shaper.apply(shape)
+    assert shaper.read_back() == shape
+    for loss, expect_min, expect_max in ((0.0, 1.0, 1.0), (1.0, 0.0, 0.0), (0.05, 0.85, 1.0)):
+        t0 = time.monotonic()
+        shaper.change(Shape(rate_bps=200 * MBIT, loss=loss))
+        elapsed = time.monotonic() - t0
+        print(f"\nloss change -> {loss * 100:g}%: {elapsed * 1e3:.2f} ms")
+        assert elapsed < 0.050
+        assert shaper.read_back() == Shape(rate_bps=200 * MBIT, loss=loss)
+        if loss == 0 and not caps.netem:
+            assert shaper.describe()["nft"] is None       # the drop rule is gone
+        got = _udp_probe(ns_a, ns_b, 300, port=9998)
+        assert expect_min <= got / 300 <= expect_max, (loss, got)
+
+
+@root_only
+def test_unshaped_leaves_no_qdisc_and_clear(pair, shaper, caps):
+    ipr_a, _, ns_a, ns_b = pair
+    idx = ipr_a.link_lookup(ifname="ta")[0]
+    shaper.apply(Shape(rate_bps=100 * MBIT, loss=0.01))
+    kinds = {q.get_attr("TCA_KIND") for q in ipr_a.get_qdiscs(index=idx) if q["index"] == idx}
+    assert "htb" in kinds
+    shaper.change(Shape())
+    assert shaper.read_back() == Shape()
+    kinds = {q.get_attr("TCA_KIND") for q in ipr_a.get_qdiscs(index=idx) if q["index"] == idx}
+    assert not kinds & {"htb", "netem", "pfifo"}
+    shaper.apply(Shape(rate_bps=100 * MBIT, loss=0.01))
+    shaper.clear()
+    assert shaper.read_back() == Shape()
+    if caps.nftables:
+        r = subprocess.run(["ip", "netns", "exec", ns_b, "nft", "list", "chain", "netdev",
+                            "nezha_testbed", shaper.chain], capture_output=True)
+        assert r.returncode != 0
+
+
+@root_only
+def test_readback_mismatch_is_refused(pair, shaper, monkeypatch):
+    shaper.apply(Shape(rate_bps=100 * MBIT))
+    # the kernel "silently" keeps another rate: simulate by lying about what we send
+    real = shaping.htb_class_kwargs
+    monkeypatch.setattr(shaping, "htb_class_kwargs",
+                        lambda rate, mtu=1500: real(rate // 2, mtu))
+    with pytest.raises(ShapingMismatch) as exc:
+        shaper.change(Shape(rate_bps=80 * MBIT))
+    assert "h1.r0:up" in str(exc.value) and "80000000" in str(exc.value) \
+        and "40000000" in str(exc.value)
+
+
+@root_only
+def test_delay_without_netem_is_refused(pair, shaper, caps):
+    if caps.netem:
+        pytest.skip("this kernel has sch_netem: delay is tested by test_netem_delay_read_back")
+    with pytest.raises(CapabilityError) as exc:
+        shaper.apply(Shape(rate_bps=100 * MBIT, delay_s=0.010))
+    assert exc.value.field == "delay"
+    assert "netem" in str(exc.value)
+    assert shaper.read_back() == Shape()     # nothing half-applied
+
+
+@root_only
+def test_netem_delay_read_back(pair, shaper, caps):
+    if not caps.netem:
+        pytest.skip(f"kernel lacks sch_netem ({caps.details.get('netem')}): "
+                    "delay refusal is tested instead")
+    shape = Shape(rate_bps=100 * MBIT, loss=0.01, delay_s=0.010, jitter_s=0.001)
+    shaper.apply(shape)
+    got = shaper.read_back()
+    assert shapes_match(shape, got)
+    assert shaper.describe()["loss_method"] == "netem"
+    t0 = time.monotonic()
+    shaper.change(Shape(rate_bps=100 * MBIT, delay_s=0.020))
+    assert time.monotonic() - t0 < 0.050
+    assert shapes_match(Shape(rate_bps=100 * MBIT, delay_s=0.020), shaper.read_back())
+    shaper.change(Shape(delay_s=0.005))          # netem alone, as root
+    assert shapes_match(Shape(delay_s=0.005), shaper.read_back())
