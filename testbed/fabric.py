@@ -158,7 +158,10 @@ class Fabric:
     """Build, control and tear down the namespaces of one topology.
 
     Use as a context manager: the fabric is torn down on exit, on exceptions and on Ctrl-C.
+    A backend (e.g. Mininet) subclasses it and overrides ``_create`` and ``_destroy`` only.
     """
+
+    backend = "pyroute2"
 
     def __init__(self, topo: Topology, caps: Optional[Capabilities] = None,
                  progress: Optional[Callable[[str], None]] = None) -> None:
@@ -185,7 +188,7 @@ class Fabric:
     def build(self) -> "Fabric":
         """Create everything; on any error or interrupt, remove what was built and re-raise."""
         t0 = time.monotonic()
-        self.state = RunState.new(self.topo.name, "pyroute2", self.topo.to_dict(),
+        self.state = RunState.new(self.topo.name, self.backend, self.topo.to_dict(),
                                   self.topo.raw)
         try:
             with _sigterm_as_interrupt():
@@ -205,10 +208,14 @@ class Fabric:
                     proc.kill()
                     proc.wait()
         self._close()
+        self._destroy()
         if self.state is not None:
             self.state.remove_all()
             self.state = None
         return time.monotonic() - t0
+
+    def _destroy(self) -> None:
+        """Backend-specific clean-up before the recorded namespaces are deleted (none here)."""
 
     def detach(self) -> None:
         """Leave the fabric up after this process exits (the `up` verb); `down` removes it."""
@@ -243,6 +250,12 @@ class Fabric:
 
     def _build(self) -> None:
         """Create the kernel objects, then bind handles to them and shape through the handles."""
+        self._create()
+        self.state.save()
+        self._configure()
+
+    def _create(self) -> None:
+        """Namespaces, rail bridges and veths (a backend overrides this step only)."""
         topo = self.topo
         for h in topo.hosts:
             ns = self._namespace(h)
@@ -263,19 +276,21 @@ class Fabric:
             host_ipr.link("add", ifname=r, kind="veth", peer={"ifname": peer_if, "net_ns_fd": peer_ns})
             self.state.record_object(kind="veth", ns=host_ns, ifname=r, peer_ns=peer_ns,
                                      peer_ifname=peer_if)
-            hi = host_ipr.link_lookup(ifname=r)[0]
-            pi = peer_ipr.link_lookup(ifname=peer_if)[0]
-            host_ipr.link("set", index=hi, mtu=spec_link.mtu)
-            peer_ipr.link("set", index=pi, mtu=spec_link.mtu)
             if topo.wiring == "switch":
+                pi = peer_ipr.link_lookup(ifname=peer_if)[0]
                 peer_ipr.link("set", index=pi, master=peer_ipr.link_lookup(ifname=BRIDGE)[0])
-        self.state.save()
+
+    def _configure(self) -> None:
+        """Handles, shaping (read back), addresses, link up: the same for every backend."""
+        topo = self.topo
         self._bind()
         for link in self._cables():
             link.up_shaper.apply(link.shape)
             link.down_shaper.apply(link.shape)
         for link in self.links.values():
             spec_link = topo.link(link.host, link.rail)
+            for end in (link.host_end, link.peer_end):
+                end.ipr.link("set", index=end.index, mtu=spec_link.mtu)
             self._address(link.host_end, spec_link)
             link.set_state(True)
         self.progress(f"{len(self.links)} links shaped and addressed")

@@ -118,9 +118,28 @@ class FaultInjector:
         return steps
 
     def start(self, t0: Optional[float] = None) -> None:
+        """Start the schedule's clock at ``t0`` (now by default); returns once the thread is
+        ready to fire, so a fault at 0 s is not late."""
+        ready = threading.Event()
+
+        def body():
+            self._warm_up()
+            ready.set()
+            self._run()
         self.t0 = time.monotonic() if t0 is None else t0
-        self._thread = threading.Thread(target=self._run, name="faults", daemon=True)
+        self._thread = threading.Thread(target=body, name="faults", daemon=True)
         self._thread.start()
+        ready.wait(timeout=10)
+
+    def _warm_up(self) -> None:
+        """Touch every netlink socket a fault will use, from this thread: pyroute2 pays ~10 ms
+        the first time a thread uses a socket, which would otherwise land inside a fault."""
+        for f in self.faults:
+            if f.action == "kill":
+                continue
+            for link in self.links_of(f):
+                link.host_end.operstate()
+                link.peer_end.operstate()
 
     def _run(self) -> None:
         steps = self._plan()

@@ -1,0 +1,169 @@
+"""The fault schedule: faults fire on time, stack on one target, and each end restores exactly
+what that fault changed."""
+from __future__ import annotations
+
+import time
+
+import pytest
+from pyroute2 import IPRoute
+
+from testbed import spec
+from testbed.fabric import Fabric
+from testbed.faults import FaultInjector
+from testbed.scenario import build
+from testbed.spec import Shape
+
+BASE = """
+name: faults
+hosts: 3
+rails:
+  - {name: r0, bandwidth: 200mbit}
+  - {name: r1, bandwidth: 100mbit}
+"""
+
+
+class FakeLink:
+    """Records what the injector asks of a link, as the fabric's Link would apply it."""
+
+    def __init__(self, name, host, rail, shape):
+        self.name, self.host, self.rail, self.shape = name, host, rail, shape
+        self.up = {"host": True, "switch": True}
+        self.calls = []
+        self.host_end = self.peer_end = self
+
+    def operstate(self):
+        return "UP"
+
+    def set_state(self, up, end="both"):
+        for e in (("host", "switch") if end == "both" else (end,)):
+            self.up[e] = up
+        self.calls.append(("state", up, end))
+        return time.monotonic()
+
+    def set_shape(self, shape):
+        self.shape = shape
+        self.calls.append(("shape", shape))
+        return time.monotonic()
+
+
+class FakeRail:
+    def __init__(self, links):
+        self.links = links
+
+
+class FakeFabric:
+    def __init__(self, topo):
+        self.topo = topo
+        self.links = {f"{h}.{r.name}": FakeLink(f"{h}.{r.name}", h, r.name, r.shape)
+                      for r in topo.rails for h in topo.hosts}
+        self.rails = {r.name: FakeRail([l for l in self.links.values() if l.rail == r.name])
+                      for r in topo.rails}
+
+    def target(self, name):
+        return self.links.get(name) or self.rails.get(name) or name
+
+    def host_links(self, host):
+        return [l for l in self.links.values() if l.host == host]
+
+
+def run_schedule(faults_yaml: str, until: float):
+    topo = spec.loads(BASE + faults_yaml)
+    fab = FakeFabric(topo)
+    inj = FaultInjector(fab, build(topo).faults)
+    snapshots = []
+    inj.start()
+    t0 = inj.t0
+    while time.monotonic() < t0 + until:
+        snapshots.append((time.monotonic() - t0,
+                          {n: (l.shape, dict(l.up)) for n, l in fab.links.items()}))
+        time.sleep(0.01)
+    inj.stop()
+    return fab, inj, snapshots
+
+
+def at(snapshots, t):
+    return min(snapshots, key=lambda s: abs(s[0] - t))[1]
+
+
+def test_overlapping_faults_stack_and_each_end_restores_its_own_change():
+    fab, inj, snaps = run_schedule("""
+faults:
+  - {at: 0.1s, action: rate, target: r1, value: 20mbit, for: 0.4s}
+  - {at: 0.2s, action: loss, target: h2.r1, value: 20%, for: 0.1s}
+""", until=0.7)
+    base = Shape(rate_bps=100_000_000)
+    assert at(snaps, 0.05)["h2.r1"][0] == base
+    assert at(snaps, 0.15)["h2.r1"][0] == Shape(rate_bps=20_000_000)
+    assert at(snaps, 0.25)["h2.r1"][0] == Shape(rate_bps=20_000_000, loss=0.2)   # both apply
+    assert at(snaps, 0.25)["h1.r1"][0] == Shape(rate_bps=20_000_000)             # loss: h2 only
+    assert at(snaps, 0.4)["h2.r1"][0] == Shape(rate_bps=20_000_000)              # loss undone
+    assert at(snaps, 0.6)["h2.r1"][0] == base                                    # rate undone
+    assert fab.links["h1.r0"].calls == []                                        # untouched
+    assert not inj.errors
+
+
+def test_fault_times_are_recorded_on_the_monotonic_clock():
+    fab, inj, _ = run_schedule("""
+faults:
+  - {at: 0.2s, action: link-down, target: h2.r1, for: 0.2s}
+""", until=0.6)
+    rec = inj.records[0]
+    assert rec["t_applied"] - inj.t0 == pytest.approx(0.2, abs=0.02)
+    assert rec["t_end"] - inj.t0 == pytest.approx(0.4, abs=0.02)
+    assert rec["links"] == ["h2.r1"] and rec["rails"] == ["r1"]
+    assert fab.links["h2.r1"].up == {"host": True, "switch": True}
+
+
+def test_flap_toggles_with_its_period_and_ends_up():
+    fab, inj, snaps = run_schedule("""
+faults:
+  - {at: 0.1s, action: flap, target: h3.r0, period: 0.2s, for: 0.6s}
+""", until=0.9)
+    states = [at(snaps, t)["h3.r0"][1]["host"] for t in (0.15, 0.25, 0.35, 0.45, 0.55, 0.65, 0.8)]
+    assert states == [False, True, False, True, False, True, True]
+    assert len(inj.records[0]["toggles"]) == 5
+
+
+def test_link_down_held_by_two_faults_comes_up_only_after_both_end():
+    fab, inj, snaps = run_schedule("""
+faults:
+  - {at: 0.1s, action: link-down, target: r1, for: 0.3s}
+  - {at: 0.2s, action: link-down, target: h2.r1, for: 0.4s}
+""", until=0.8)
+    assert at(snaps, 0.45)["h1.r1"][1]["host"] is True
+    assert at(snaps, 0.45)["h2.r1"][1]["host"] is False      # still held by the second fault
+    assert at(snaps, 0.7)["h2.r1"][1]["host"] is True
+
+
+def test_blackhole_is_total_loss_with_the_link_up():
+    fab, inj, snaps = run_schedule("""
+faults:
+  - {at: 0.1s, action: blackhole, target: h1.r0, for: 0.2s}
+""", until=0.45)
+    shape, up = at(snaps, 0.2)["h1.r0"]
+    assert shape.loss == 1.0 and up == {"host": True, "switch": True}
+    assert at(snaps, 0.4)["h1.r0"][0].loss == 0.0
+
+
+@pytest.mark.netns
+def test_real_fault_cuts_traffic_at_its_time(no_leftovers):
+    """On a real fabric: a link-down fault at 0.3 s stops the link's counters within 20 ms."""
+    topo = spec.loads(BASE + "faults: [{at: 0.3s, action: link-down, target: h2.r0, for: 0.3s}]\n")
+    with Fabric(topo) as fab:
+        inj = FaultInjector(fab, build(topo).faults)
+        link = fab.links["h2.r0"]
+        watcher = IPRoute(netns=link.host_end.ns)     # an observer with a socket of its own
+        inj.start()
+        seen_down = None
+        try:
+            while time.monotonic() < inj.t0 + 0.5:
+                if seen_down is None and not watcher.get_links(link.host_end.index)[0]["flags"] & 1:
+                    seen_down = time.monotonic()
+                time.sleep(0.001)
+        finally:
+            watcher.close()
+        inj.stop()
+        assert seen_down is not None
+        assert seen_down - inj.t0 == pytest.approx(0.3, abs=0.02)
+        assert inj.records[0]["t_applied"] - inj.t0 == pytest.approx(0.3, abs=0.02)
+        assert link.host_end.is_up()
