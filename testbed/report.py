@@ -1,0 +1,292 @@
+"""The results folder and the terminal summary.
+
+``write`` produces, in ``results_dir``:
+  results.json            metrics (with notes and detail), verdict, fault records, versions, timings
+  samples.csv             kernel counters per link per sample (t in s since t0)
+  timeline.jsonl          every kernel observation, fault, Nezha event and iteration, by time
+  topology.resolved.yaml  the topology as resolved (Topology.to_dict())
+  throughput.png          goodput per rail over time, faults shaded and labelled
+  latency.png             iteration latency over time, wrong results marked
+  busbw.png               bus bandwidth by message size per system (compare/sweep only)
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import numpy as np
+import yaml
+
+from .scenario import METRICS, SHARE_PREFIX
+from .verdict import Verdict, format_value
+
+
+def _jsonable(v: Any) -> Any:
+    if isinstance(v, float):
+        return v if math.isfinite(v) else None
+    if isinstance(v, np.floating):
+        return _jsonable(float(v))
+    if isinstance(v, np.integer):
+        return int(v)
+    if isinstance(v, np.ndarray):
+        return _jsonable(v.tolist())
+    if isinstance(v, dict):
+        return {str(k): _jsonable(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple, set)):
+        return [_jsonable(x) for x in v]
+    if isinstance(v, (str, int, bool)) or v is None:
+        return v
+    return str(v)
+
+
+def versions() -> dict:
+    out = {"python": sys.version.split()[0], "kernel": platform.release(),
+           "machine": platform.machine()}
+    for mod in ("numpy", "matplotlib", "pyroute2", "yaml"):
+        try:
+            out[mod] = __import__(mod).__version__
+        except Exception:
+            out[mod] = None
+    try:
+        root = Path(__file__).resolve().parent.parent
+        r = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True,
+                           text=True, timeout=5)
+        out["git"] = r.stdout.strip() or None
+    except Exception:
+        out["git"] = None
+    return out
+
+
+def _t0(metrics: dict, faults: Sequence[dict], timeline) -> float:
+    t0 = (metrics.get("detail") or {}).get("t0")
+    if t0 is None and timeline is not None:
+        t0 = getattr(timeline, "t0", None)
+    if t0 is None:
+        ts = [f["t_applied"] for f in faults if f.get("t_applied") is not None]
+        t0 = min(ts) if ts else 0.0
+    return float(t0)
+
+
+def write(results_dir, topo, scenario, metrics: dict, verdict: Verdict, samples, timeline,
+          faults: Sequence[dict], compare=None, timings: Optional[dict] = None) -> dict:
+    """Write the whole results folder; returns {kind: path} of what was written.
+
+    ``compare`` (optional): the workload phases [{system, size, t_start, t_end}] of a compare
+    or sweep run, shaded on the throughput plot; ``busbw.png`` comes from
+    ``metrics['detail']['busbw_by_system']`` whenever it holds a size sweep or several systems."""
+    out = Path(results_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    t_begin = time.monotonic()
+    t0 = _t0(metrics, faults, timeline)
+    written: dict[str, Path] = {}
+
+    p = out / "samples.csv"
+    if samples is not None:
+        samples.to_csv(p, t0=t0)
+    else:
+        p.write_text("t,link,host,rail,tx_bytes,rx_bytes,tx_packets,rx_packets,rx_dropped,"
+                     "tx_dropped,up\n")
+    written["samples"] = p
+
+    p = out / "timeline.jsonl"
+    if timeline is not None:
+        timeline.write(p)
+    else:
+        p.write_text("")
+    written["timeline"] = p
+
+    p = out / "topology.resolved.yaml"
+    p.write_text(yaml.safe_dump(_jsonable(topo.to_dict()), sort_keys=False))
+    written["topology"] = p
+
+    import matplotlib
+    matplotlib.use("Agg", force=True)
+    written["throughput"] = plot_throughput(out / "throughput.png", topo, metrics, samples,
+                                            faults, t0, compare)
+    written["latency"] = plot_latency(out / "latency.png", metrics, faults, t0)
+    bw = (metrics.get("detail") or {}).get("busbw_by_system") or {}
+    if compare or len(bw) > 1 or any(len(v) > 1 for v in bw.values()):
+        written["busbw"] = plot_busbw(out / "busbw.png", topo, metrics)
+
+    p = out / "results.json"
+    doc = {"topology": topo.name, "t0": t0,
+           "metrics": {k: v for k, v in metrics.items() if k not in ("detail", "notes")},
+           "notes": metrics.get("notes") or {}, "verdict": verdict.to_dict(),
+           "faults": [dict(f, t_applied_rel=(f["t_applied"] - t0) if f.get("t_applied")
+                           is not None else None) for f in faults],
+           "detail": metrics.get("detail") or {}, "phases": compare,
+           "sampler": (metrics.get("detail") or {}).get("sampler"),
+           "versions": versions(),
+           "timings": dict(timings or {}, report_s=time.monotonic() - t_begin),
+           "files": {k: v.name for k, v in written.items()}}
+    p.write_text(json.dumps(_jsonable(doc), indent=1))
+    written["results"] = p
+    return written
+
+
+# ----------------------------------------------------------------------------------- plots
+def _fault_spans(ax, faults: Sequence[dict], t0: float, t_max: float) -> None:
+    colours = ["tab:red", "tab:purple", "tab:brown", "tab:olive", "tab:pink"]
+    for i, f in enumerate(sorted((f for f in faults if f.get("t_applied") is not None),
+                                 key=lambda f: f["t_applied"])):
+        c = colours[i % len(colours)]
+        a = f["t_applied"] - t0
+        label = f.get("label") or f.get("action") or "fault"
+        if f.get("t_end") is not None:
+            ax.axvspan(a, f["t_end"] - t0, color=c, alpha=0.12, lw=0)
+            ax.axvline(f["t_end"] - t0, color=c, ls=":", lw=1)
+        elif f.get("action") in ("link-down", "blackhole", "rate", "loss", "delay"):
+            ax.axvspan(a, t_max, color=c, alpha=0.08, lw=0)
+        ax.axvline(a, color=c, ls="--", lw=1.2)
+        for tog in f.get("toggles") or ():
+            if tog.get("t") is not None:
+                ax.axvline(tog["t"] - t0, color=c, ls=":", lw=0.8,
+                           alpha=0.9 if tog.get("state") == "down" else 0.5)
+        ax.annotate(f"{label} @ {a:.2f}s", xy=(a, 1.0), xycoords=ax.get_xaxis_transform(),
+                    xytext=(3, -3 - 11 * (i % 4)), textcoords="offset points", fontsize=8,
+                    color=c, va="top")
+
+
+def plot_throughput(path: Path, topo, metrics: dict, samples, faults: Sequence[dict],
+                    t0: float, phases=None) -> Path:
+    import matplotlib.pyplot as plt
+    from .metrics import BIN_S
+    fig, ax = plt.subplots(figsize=(11, 4.8), dpi=110)
+    t_max = 1.0
+    if samples:
+        rates = samples.rates(BIN_S, start=t0 + math.ceil((samples.span[0] - t0) / BIN_S)
+                              * BIN_S)
+        x = rates.centers - t0
+        t_max = float(x[-1]) if len(x) else 1.0
+        for r in [rl.name for rl in topo.rails]:
+            if r in rates.rail_bps:
+                ax.plot(x, rates.rail_bps[r] / 1e6, lw=1, label=f"rail {r}")
+        if len(rates.rail_bps) > 1:
+            ax.plot(x, rates.total_bps / 1e6, lw=1, color="0.3", alpha=0.6, label="total")
+    else:
+        ax.text(0.5, 0.5, "no kernel samples", transform=ax.transAxes, ha="center")
+    ax.set_ylim(bottom=0)
+    if ax.get_ylim()[1] <= 0:
+        ax.set_ylim(0, 1)
+    for p in phases or ():
+        if p.get("t_start") is not None and p.get("t_end") is not None:
+            ax.axvspan(p["t_start"] - t0, p["t_end"] - t0, color="0.9", alpha=0.3, lw=0)
+            ax.text(p["t_start"] - t0, 0, f" {p.get('system')} {p.get('size')}", fontsize=7,
+                    rotation=90, va="bottom", color="0.4")
+    _fault_spans(ax, faults, t0, t_max)
+    ax.set_xlabel("time since start of run (s)")
+    ax.set_ylabel("goodput, bytes delivered to hosts (Mbit/s)")
+    ax.set_title(f"{topo.name}: goodput per rail ({BIN_S * 1e3:.0f} ms bins, kernel counters);"
+                 " dashed = fault applied, dotted = fault end")
+    ax.grid(alpha=0.3)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(loc="lower right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def plot_latency(path: Path, metrics: dict, faults: Sequence[dict], t0: float) -> Path:
+    import matplotlib.pyplot as plt
+    its = [r for r in (metrics.get("detail") or {}).get("iterations", [])
+           if r.get("t_rel") is not None and r.get("latency_ms") is not None]
+    fig, ax = plt.subplots(figsize=(11, 4.2), dpi=110)
+    if its:
+        groups: dict[str, list[dict]] = {}
+        for r in its:
+            groups.setdefault(f"{r['system']} {r['bytes']} B", []).append(r)
+        for name, rs in groups.items():
+            ax.plot([r["t_rel"] for r in rs], [r["latency_ms"] for r in rs], ".-", lw=0.8,
+                    ms=3, label=name)
+        bad = [r for r in its if not r["ok"]]
+        if bad:
+            ax.scatter([r["t_rel"] for r in bad], [r["latency_ms"] for r in bad], marker="x",
+                       s=60, color="red", zorder=5, label=f"wrong result ({len(bad)})")
+        inc = [r for r in its if not r["complete"]]
+        if inc:
+            ax.scatter([r["t_rel"] for r in inc], [r["latency_ms"] for r in inc], marker="o",
+                       facecolors="none", edgecolors="orange", s=50, zorder=5,
+                       label=f"not completed by every rank ({len(inc)})")
+        lat = [r["latency_ms"] for r in its if r["latency_ms"] > 0]
+        if lat and max(lat) / min(lat) > 20:
+            ax.set_yscale("log")
+        else:
+            ax.set_ylim(0, max(lat or [1]) * 1.15)
+        t_max = max(r["t_rel"] for r in its)
+    else:
+        ax.text(0.5, 0.5, "no iteration records", transform=ax.transAxes, ha="center")
+        t_max = 1.0
+    _fault_spans(ax, faults, t0, t_max)
+    ax.set_xlabel("iteration start, time since start of run (s)")
+    ax.set_ylabel("iteration latency, slowest rank (ms)")
+    ax.set_title("allreduce iteration latency (x = wrong result)")
+    ax.grid(alpha=0.3, which="both")
+    if its:
+        ax.legend(loc="upper right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def plot_busbw(path: Path, topo, metrics: dict) -> Path:
+    import matplotlib.pyplot as plt
+    detail = metrics.get("detail") or {}
+    bw = detail.get("busbw_by_system") or {}
+    fig, ax = plt.subplots(figsize=(8, 5), dpi=110)
+    for system, sizes in sorted(bw.items()):
+        xs = sorted(int(s) for s in sizes)
+        ys = [sizes[s]["median_mbps"] if s in sizes else sizes[str(s)]["median_mbps"]
+              for s in xs]
+        ax.plot(xs, ys, "o-", label=system)
+    nominal = detail.get("nominal_mbps") or {}
+    if nominal and all(nominal.values()):
+        ax.axhline(sum(nominal.values()), color="0.4", ls="--", lw=1, label="sum of rail rates")
+        ax.axhline(max(nominal.values()), color="0.6", ls=":", lw=1, label="fastest rail")
+    if not bw:
+        ax.text(0.5, 0.5, "no complete iterations", transform=ax.transAxes, ha="center")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("message size (bytes)")
+    ax.set_ylabel("bus bandwidth, median (Mbit/s)")
+    ax.set_title(f"{topo.name}: allreduce bus bandwidth by message size")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+# ----------------------------------------------------------------------------------- terminal
+def summary_table(metrics: dict, verdict: Verdict) -> str:
+    """Aligned columns: metric, expected, measured, result; every expectation first, then the
+    other measured metrics for context; notes of failed rows below."""
+    rows = [(r.metric, r.expected, format_value(r.metric, r.measured), r.status)
+            for r in verdict.rows]
+    judged = {r.metric for r in verdict.rows}
+    for m in list(METRICS) + sorted(k for k in metrics if k.startswith(SHARE_PREFIX)):
+        if m not in judged and metrics.get(m) is not None:
+            rows.append((m, "-", format_value(m, metrics[m]), ""))
+    head = ("metric", "expected", "measured", "result")
+    widths = [max(len(head[i]), *(len(r[i]) for r in rows)) if rows else len(head[i])
+              for i in range(4)]
+    line = lambda r: "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip()  # noqa: E731
+    out = [line(head), line(tuple("-" * w for w in widths))]
+    out += [line(r) for r in rows]
+    notes = [f"  {r.metric}: {r.note}" for r in verdict.rows if r.note and not r.ok]
+    if notes:
+        out.append("")
+        out += notes
+    n_fail = sum(1 for r in verdict.rows if not r.ok)
+    out.append("")
+    out.append(f"expectations: {len(verdict.rows) - n_fail}/{len(verdict.rows)} hold"
+               + ("" if verdict.passed else f" — FAIL"))
+    return "\n".join(out)

@@ -1,0 +1,150 @@
+"""Verdicts name what failed with the measured value; the results folder holds every file, and the
+plots are real PNG images."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+
+from testbed import measure, metrics, report, spec, verdict
+from testbed.scenario import Expectation, build as build_scenario
+
+try:
+    from tests.test_metrics import (TOPO, SCEN, failover_world, fault_record, iteration_records,
+                                    synth_samples)
+except ImportError:  # rootdir not importable as a package (pytest importmode)
+    from test_metrics import (TOPO, SCEN, failover_world, fault_record, iteration_records,
+                              synth_samples)
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+# ------------------------------------------------------------------------------- verdict
+def test_failing_bound_is_named_with_the_measured_value():
+    m = {"failover_ms": 350.0, "wrong_results": 0, "notes": {}}
+    v = verdict.judge([Expectation("failover_ms", max=200.0),
+                       Expectation("wrong_results", 0.0, 0.0)], m)
+    assert not v.passed
+    assert [r.status for r in v.rows] == ["FAIL", "PASS"]
+    assert len(v.failures) == 1
+    assert "failover_ms" in v.failures[0] and "350.0 ms" in v.failures[0] \
+        and "<= 200" in v.failures[0]
+
+
+def test_none_metric_fails_as_not_measured_with_the_reason():
+    m = {"detection_ms": None, "notes": {"detection_ms": "fault 0: Nezha logged no rail_down"}}
+    v = verdict.judge([Expectation("detection_ms", max=100.0)], m)
+    assert not v.passed
+    assert v.rows[0].note == "not measured: fault 0: Nezha logged no rail_down"
+    assert "not measured" in v.failures[0]
+
+
+def test_pending_is_explicit():
+    e = [Expectation("failover_ms", max=200.0), Expectation("wrong_results", 0.0, 0.0)]
+    m = {"failover_ms": None, "wrong_results": 0, "notes": {}}
+    pend = {"failover_ms": "needs Nezha fault tolerance"}
+    v = verdict.judge(e, m, pending=pend)
+    assert not v.passed                                   # pending counts as failed ...
+    assert v.rows[0].status == "PENDING" and v.rows[0].note.startswith("PENDING: needs Nezha")
+    assert verdict.judge(e, m, pending=pend, pending_passes=True).passed   # ... unless asked
+    ok = verdict.judge(e, dict(m, failover_ms=120.0), pending=pend)
+    assert ok.passed and ok.rows[0].status == "PASS"     # a pending bound that holds, holds
+    assert verdict.judge(e, dict(m, wrong_results=3), pending=pend, pending_passes=True
+                         ).passed is False
+
+
+def test_share_bounds_and_no_expectations():
+    m = {"rail_share.r0": 0.61, "notes": {}}
+    v = verdict.judge([Expectation("rail_share.r0", 0.4, 0.6)], m)
+    assert not v.passed and "0.610" in v.failures[0]
+    assert verdict.judge([], m).passed
+
+
+# ------------------------------------------------------------------------------- report
+@pytest.fixture
+def run_data():
+    active, _ = failover_world()
+    samples = synth_samples(active)
+    faults = [fault_record(3.0, 5.0)]
+    its = iteration_records(n=10)
+    its[3]["ok"] = False
+    events = [{"t": 3.08, "event": "rail_down", "rank": 1, "rail": 1, "peer": 0}]
+    m = metrics.compute(TOPO, SCEN, samples, its, events, faults, t0=0.0,
+                        extra={"rank_errors": 0})
+    v = verdict.judge(SCEN.expect, m)
+    tl = measure.Timeline.merge(samples=samples, faults=faults, events=events, iterations=its,
+                                t0=0.0)
+    return samples, faults, m, v, tl
+
+
+def _png(path):
+    data = path.read_bytes()
+    assert len(data) > 5000, f"{path.name} is {len(data)} bytes"
+    assert data[:8] == PNG_MAGIC
+    import matplotlib.image
+    img = matplotlib.image.imread(path)
+    assert img.shape[0] > 200 and img.shape[1] > 400
+    return img
+
+
+def test_report_writes_every_file(tmp_path, run_data):
+    samples, faults, m, v, tl = run_data
+    out = tmp_path / "res"
+    written = report.write(out, TOPO, SCEN, m, v, samples, tl, faults,
+                           timings={"build_s": 0.1})
+    for name in ("results.json", "samples.csv", "timeline.jsonl", "topology.resolved.yaml",
+                 "throughput.png", "latency.png"):
+        assert (out / name).is_file() and (out / name).stat().st_size > 0, name
+    for name in ("throughput.png", "latency.png"):
+        _png(out / name)
+    doc = json.loads((out / "results.json").read_text())
+    assert doc["metrics"]["failover_ms"] == pytest.approx(350, abs=20)
+    assert doc["verdict"]["passed"] is False                       # failover 350 > 200
+    assert any("failover_ms" in f for f in doc["verdict"]["failures"])
+    assert doc["versions"]["python"] and doc["timings"]["build_s"] == 0.1
+    assert yaml.safe_load((out / "topology.resolved.yaml").read_text())["name"] == "synth"
+    header = (out / "samples.csv").read_text().splitlines()[0].split(",")
+    assert header[:9] == ["t", "link", "host", "rail", "tx_bytes", "rx_bytes", "tx_packets",
+                          "rx_packets", "rx_dropped"]
+    back = measure.Samples.read_csv(out / "samples.csv")
+    assert set(back.links) == set(samples.links)
+    lines = [json.loads(x) for x in (out / "timeline.jsonl").read_text().splitlines()]
+    assert {x["source"] for x in lines} == {"kernel", "fault", "nezha", "iteration"}
+    assert "busbw" not in written
+
+
+def test_compare_writes_busbw_plot(tmp_path):
+    recs = []
+    for i, (system, dur) in enumerate([("nezha", 0.1), ("single", 0.2), ("stripe", 0.12)]):
+        for j, size in enumerate((1 << 16, 1 << 20, 16 << 20)):
+            d = dur * size / (16 << 20) + 0.002
+            recs += [dict(r, system=system, phase=3 * i + j, bytes=size)
+                     for r in iteration_records(n=5, dur=d, t=10 * i + 3 * j)]
+    topo = spec.loads("hosts: 2\nrails: [{name: r0, bandwidth: 100mbit}, "
+                      "{name: r1, bandwidth: 100mbit}]\n"
+                      "workload: {kind: compare, sizes: [64KiB, 1MiB, 16MiB], "
+                      "systems: [nezha, single, stripe]}\n")
+    sc = build_scenario(topo)
+    m = metrics.compute(topo, sc, None, recs, [], [], t0=0.0, extra={"rank_errors": 0})
+    assert m["busbw_vs_single_rail"] == pytest.approx(2.0, rel=0.05)
+    v = verdict.judge(sc.expect, m)
+    phases = [{"system": "nezha", "size": 1 << 16, "t_start": 0.0, "t_end": 1.0}]
+    report.write(tmp_path, topo, sc, m, v, None, None, [], compare=phases)
+    _png(tmp_path / "busbw.png")
+    _png(tmp_path / "throughput.png")     # without samples: still a valid, labelled image
+    assert (tmp_path / "samples.csv").read_text().startswith("t,link,host,rail")
+
+
+def test_summary_table_is_aligned(run_data):
+    _, _, m, v, _ = run_data
+    text = report.summary_table(m, v)
+    lines = text.splitlines()
+    assert lines[0].split() == ["metric", "expected", "measured", "result"]
+    rows = {l.split()[0]: l for l in lines[2:2 + len(v.rows)]}
+    assert rows["failover_ms"].rstrip().endswith("FAIL") and "<= 200" in rows["failover_ms"]
+    assert rows["detection_ms"].rstrip().endswith("PASS") and "80.0 ms" in rows["detection_ms"]
+    assert rows["wrong_results"].rstrip().endswith("FAIL")
+    col = lines[0].index("measured")
+    assert all(l[col - 2:col] == "  " for l in lines[2:2 + len(v.rows)])
+    assert "expectations: 1/3 hold" in text
