@@ -21,6 +21,7 @@ from .errors import (AllRailsDownError, CommError, CommTimeout, MismatchError, P
                      PeerClosedError, ProtocolError)
 
 A_SAMPLE_MAX = 64 << 10
+OP_WINDOW = 64
 
 
 class RecvSlot:
@@ -251,7 +252,7 @@ class Engine:
                     raise self.error
                 if pred():
                     return
-                for p in peers:
+                for p in (peers() if callable(peers) else peers):
                     if p in self.gone:
                         exc = PeerClosedError(f"rank {p} closed the communicator while rank "
                                               f"{self.rank} was waiting for {what}")
@@ -283,7 +284,7 @@ class Engine:
             return
         self.wait(lambda: all(m.complete for m in msgs),
                   f"acknowledgements from ranks {sorted({m.dst for m in msgs})}",
-                  tuple({m.dst for m in msgs}), deadline)
+                  lambda: {m.dst for m in msgs if not m.complete}, deadline)
 
     # ------------------------------------------------------------------ connection callbacks
     def before_send(self, conn, ch: SendChunk):
@@ -311,7 +312,9 @@ class Engine:
             key = (h.op_id, h.step, h.src)
             slot = self.slots.get(key)
             if slot is None:
-                if h.op_id > self.op_seq + 1 and h.op_id > self.done_op + 1:
+                # peers may legitimately run a few ops ahead (a broadcast receiver does not
+                # wait for the other receivers); far ahead means a broken peer
+                if h.op_id > self.op_seq + OP_WINDOW:
                     raise ProtocolError(f"rank {h.src} sent data for op {h.op_id}, but rank "
                                         f"{self.rank} is at op {self.op_seq}")
                 conn.t_hdr = now
@@ -338,10 +341,11 @@ class Engine:
             slot = conn.cur_slot
             conn.cur_slot = None
             slot.writers -= 1
+            # queue the ACK before the op can complete (and the app close the connection)
+            self._ack(conn, h, False)
             self._mark(slot, h, conn.t_hdr, now)
             if slot.writers == 0:
                 self.cond.notify_all()
-        self._ack(conn, h, False)
 
     def data_staged(self, conn, h, buf):
         now = time.monotonic()
@@ -353,10 +357,11 @@ class Engine:
             slot = self.slots.get(key)
             if slot is not None:             # posted meanwhile, or a duplicate
                 self._check(slot, h, conn)
+                self._ack(conn, h, False)
                 if h.offset not in slot.done:
                     slot.view[h.offset:h.offset + h.length] = buf
                     self._mark(slot, h, conn.t_hdr, now)
-                ack = True
+                ack = False
             elif h.op_id <= self.done_op:    # late duplicate of a finished op
                 ack = True
             elif h.op_id <= self.posted_op:

@@ -1,0 +1,209 @@
+"""Functions run inside rank processes by the nezha tests (importable by spawned children)."""
+import hashlib
+import os
+import time
+
+import numpy as np
+
+from nezha import Context
+from nezha.testing import loopback_rails
+
+REDUCE = {"sum": np.add, "prod": np.multiply, "max": np.maximum, "min": np.minimum}
+
+
+def make_ctx(rank, world, port, nrails=2, system="nezha", timeout=10.0, **kw):
+    return Context(rank, world, rails=loopback_rails(nrails), master=f"127.0.0.1:{port}",
+                   timeout=timeout, system=system, **kw)
+
+
+def data(rank, it, count, dtype, op="sum"):
+    """Small integers so every reduction is exact in every dtype (even float16)."""
+    i = np.arange(count, dtype=np.int64)
+    if op == "prod":
+        v = np.array([1, 2, -1])[(i * 3 + rank + it) % 3]
+    else:
+        v = (i * 7 + rank * 13 + it * 5) % 11 - 5
+    return v.astype(dtype)
+
+
+def reference(world, it, count, dtype, op):
+    return REDUCE[op].reduce(np.stack([data(r, it, count, dtype, op) for r in range(world)]),
+                             axis=0).astype(dtype)
+
+
+def digest(a):
+    return hashlib.sha256(np.ascontiguousarray(a).tobytes()).hexdigest()[:16]
+
+
+def matrix(rank, world, port, dtypes, ops, counts, nrails=2, system="nezha", others=True):
+    """Every (dtype, op, count) allreduce against numpy; plus the other collectives.
+    Returns (failures, digests) so the parent can check identical bits on all ranks."""
+    fails, digests = [], []
+    with make_ctx(rank, world, port, nrails, system) as ctx:
+        it = 0
+        for dt in dtypes:
+            for op in ops:
+                for count in counts:
+                    a = data(rank, it, count, dt, op)
+                    ctx.allreduce(a, op=op)
+                    ref = reference(world, it, count, dt, op)
+                    if a.dtype != np.dtype(dt) or not np.array_equal(a, ref):
+                        fails.append(("allreduce", dt, op, count, int((a != ref).sum())))
+                    digests.append(digest(a))
+                    it += 1
+        if others:
+            for dt in dtypes:
+                for count in counts:
+                    # broadcast from every root in turn
+                    root = it % world
+                    b = data(rank, it, count, dt) if rank == root else np.full(count, 99, dt)
+                    ctx.broadcast(b, root=root)
+                    if not np.array_equal(b, data(root, it, count, dt)):
+                        fails.append(("broadcast", dt, root, count))
+                    # allgather
+                    m = count
+                    out = np.full(world * m, 77, dtype=dt)
+                    ctx.allgather(data(rank, it, m, dt), out)
+                    ref = np.concatenate([data(r, it, m, dt) for r in range(world)])
+                    if not np.array_equal(out, ref):
+                        fails.append(("allgather", dt, count))
+                    # reduce_scatter: inbuf world*m, outbuf m
+                    inb = data(rank, it, world * m, dt)
+                    keep = inb.copy()
+                    outb = np.zeros(m, dtype=dt)
+                    ctx.reduce_scatter(inb, outb, op="sum")
+                    full = reference(world, it, world * m, dt, "sum")
+                    if not np.array_equal(outb, full[rank * m:(rank + 1) * m]) or not np.array_equal(inb, keep):
+                        fails.append(("reduce_scatter", dt, count))
+                    ctx.barrier()
+                    it += 1
+    return fails, digests
+
+
+def _floats(seed, count, dtype):
+    rng = np.random.default_rng(seed)
+    return (rng.standard_normal(count) * 10 ** rng.uniform(-3, 3, count)).astype(dtype)
+
+
+def random_floats(rank, world, port, count, iters=3, dtype="float32", system="nezha"):
+    """Inexact float sums: every rank must still hold identical bits."""
+    out = []
+    with make_ctx(rank, world, port, 2, system) as ctx:
+        for it in range(iters):
+            a = _floats(1000 * it + rank, count, dtype)
+            ctx.allreduce(a)
+            ref = np.sum(np.stack([_floats(1000 * it + r, count, dtype)
+                                   for r in range(world)]).astype(np.float64), axis=0)
+            out.append((digest(a), bool(np.allclose(a, ref, rtol=1e-3, atol=1e-2 * np.abs(ref).max()))))
+    return out
+
+
+def buffer_protocol(rank, world, port):
+    import array
+    with make_ctx(rank, world, port) as ctx:
+        a = array.array("d", [rank + 0.5] * 13)
+        ctx.allreduce(a)
+        b = bytearray(np.arange(10, dtype=np.int32).tobytes())
+        ctx.allreduce(b, dtype="int32", op="max")
+        m2 = np.arange(24, dtype=np.float64).reshape(2, 3, 4) * (rank + 1)
+        ctx.allreduce(m2)
+        return list(a), list(np.frombuffer(b, dtype=np.int32)), m2.tolist()
+
+
+def interleaved(rank, world, port, iters=20):
+    """Different collectives and sizes back to back, with no barrier between them."""
+    bad = []
+    with make_ctx(rank, world, port) as ctx:
+        for it in range(iters):
+            count = [0, 1, 5, 300, 70001][it % 5]
+            a = data(rank, it, count, "float64")
+            ctx.allreduce(a)
+            if not np.array_equal(a, reference(world, it, count, "float64", "sum")):
+                bad.append(("allreduce", it))
+            b = np.zeros(count, dtype="int32") if rank else data(0, it, count, "int32")
+            ctx.broadcast(b, root=0)
+            if not np.array_equal(b, data(0, it, count, "int32")):
+                bad.append(("broadcast", it))
+            if it % 7 == 0:
+                ctx.barrier()
+    return bad
+
+
+def length_of(rank, world, port, counts, dtypes=None, ops=None, roots=None, kind="allreduce",
+              nrails=2, timeout=5.0):
+    """Call one collective with per-rank arguments; used to provoke mismatches."""
+    count = counts[rank]
+    dt = (dtypes or ["float32"] * world)[rank]
+    op = (ops or ["sum"] * world)[rank]
+    with make_ctx(rank, world, port, nrails, timeout=timeout) as ctx:
+        a = np.ones(count, dtype=dt)
+        t0 = time.monotonic()
+        try:
+            if kind == "allreduce":
+                ctx.allreduce(a, op=op)
+            else:
+                ctx.broadcast(a, root=(roots or [0] * world)[rank])
+        finally:
+            elapsed = time.monotonic() - t0
+    return elapsed
+
+
+def inject(rank, world, port, what, victim=0, attacker=1, nrails=1, timeout=5.0):
+    """Rank ``attacker`` sends something bad to ``victim``; every rank then tries an allreduce."""
+    with make_ctx(rank, world, port, nrails, timeout=timeout) as ctx:
+        ctx.barrier()
+        if rank == attacker:
+            from nezha import wire
+            if what == "garbage":
+                ctx._debug_send_raw(victim, 0, os.urandom(64) + b"x" * 100)
+            elif what == "badcrc":
+                h = bytearray(wire.pack(wire.DATA, 1, 1, 1, 0, attacker, 0, 1, 0, 0, 0, 4, 4, 16))
+                h[20] ^= 0xFF
+                ctx._debug_send_raw(victim, 0, bytes(h) + b"abcd")
+            elif what == "overflow":
+                # a well-formed header whose chunk lies outside the posted buffer
+                ctx._debug_send_raw(victim, 0, wire.pack(wire.DATA, 1, 1, 1, 0, attacker, 0, 1, 0,
+                                                         0, 1 << 40, 8, (1 << 40) + 8, 64) + b"12345678")
+            elif what == "truncated":
+                ctx._debug_send_raw(victim, 0, wire.pack(wire.DATA, 1, 1, 1, 0, attacker, 0, 1, 0,
+                                                         0, 0, 1000, 4096, 4096) + b"short")
+                time.sleep(0.2)
+                ctx._debug_kill_rail(victim, 0)
+        a = np.ones(1024, dtype=np.float32)
+        ctx.allreduce(a)
+        return a[:4].tolist()
+
+
+def die_mid_op(rank, world, port, victim=1, nrails=2, timeout=5.0):
+    """Rank ``victim`` exits abruptly in the middle of a large allreduce."""
+    with make_ctx(rank, world, port, nrails, timeout=timeout) as ctx:
+        ctx.barrier()
+        if rank == victim:
+            import threading
+            threading.Timer(0.05, lambda: os._exit(17)).start()
+        a = np.ones(16 << 20, dtype=np.float32)
+        t0 = time.monotonic()
+        try:
+            for _ in range(50):
+                ctx.allreduce(a)
+        finally:
+            if rank != victim:
+                print("elapsed", time.monotonic() - t0)
+        return "finished"
+
+
+def kill_rail_mid_op(rank, world, port, rail=1, count=4 << 20, iters=4, system="nezha"):
+    """A rail's connections break during a large allreduce: the result must stay exact."""
+    bad = []
+    with make_ctx(rank, world, port, 2, system, timeout=10.0) as ctx:
+        ctx.barrier()
+        if rank == 0:
+            import threading
+            threading.Timer(0.02, lambda: ctx._debug_kill_rail(1, rail)).start()
+        for it in range(iters):
+            a = data(rank, it, count, "float32")
+            ctx.allreduce(a)
+            if not np.array_equal(a, reference(world, it, count, "float32", "sum")):
+                bad.append(it)
+        st = ctx.stats()
+        return bad, [r["rerouted_chunks"] for r in st["rails"]], st["rail_status"]

@@ -1,0 +1,78 @@
+"""Correctness of every collective on loopback rails, one process per rank."""
+import pytest
+
+from nezha.testing import run_ranks
+import rankfns
+
+ALL_DTYPES = ["float32", "float64", "float16", "int32", "int64"]
+ALL_OPS = ["sum", "max", "min", "prod"]
+
+
+def ok_results(res):
+    bad = {r: v for r, (ok, v) in res.items() if not ok}
+    assert not bad, bad
+    return {r: v for r, (ok, v) in res.items()}
+
+
+def check_matrix(res):
+    out = ok_results(res)
+    for r, (fails, _) in out.items():
+        assert fails == [], (r, fails)
+    digests = [d for _, d in out.values()]
+    assert all(d == digests[0] for d in digests), "ranks disagree on result bits"
+    assert len(digests[0]) > 0
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_full_matrix(world):
+    counts = [0, 1, world - 1, 7, 1000, 40_001]
+    res = run_ranks(rankfns.matrix, world, timeout=90, dtypes=ALL_DTYPES, ops=ALL_OPS,
+                    counts=counts)
+    check_matrix(res)
+
+
+@pytest.mark.parametrize("world", [5, 8])
+def test_large_worlds(world):
+    res = run_ranks(rankfns.matrix, world, timeout=90, dtypes=["float32", "int64"],
+                    ops=["sum", "max"], counts=[0, 3, world + 1, 100_003], others=(world == 5))
+    check_matrix(res)
+
+
+@pytest.mark.parametrize("system", ["single", "stripe", "mptcp"])
+def test_baseline_systems(system):
+    if system == "mptcp":
+        import socket
+        try:
+            socket.socket(socket.AF_INET, socket.SOCK_STREAM, 262).close()
+        except OSError:
+            pytest.skip("no MPTCP in this kernel")
+    res = run_ranks(rankfns.matrix, 3, timeout=60, dtypes=["float32", "int32"], ops=["sum", "min"],
+                    counts=[0, 5, 3 << 20 // 4 + 1], system=system, nrails=3)
+    check_matrix(res)
+
+
+def test_three_rails_large_message_bits_identical():
+    res = run_ranks(rankfns.matrix, 2, timeout=60, dtypes=["float64"], ops=["sum"],
+                    counts=[(8 << 20) // 8 + 3], nrails=3, others=False)
+    check_matrix(res)
+
+
+def test_inexact_float_sums_are_bit_identical_on_all_ranks():
+    res = ok_results(run_ranks(rankfns.random_floats, 4, timeout=60, count=300_001))
+    per_iter = list(zip(*res.values()))
+    for it in per_iter:
+        assert len({d for d, _ in it}) == 1, "different bits on different ranks"
+        assert all(close for _, close in it)
+
+
+def test_buffer_protocol_objects():
+    res = ok_results(run_ranks(rankfns.buffer_protocol, 3, timeout=60))
+    for a, b, m in res.values():
+        assert a == [0.5 + 1.5 + 2.5] * 13
+        assert b == list(range(10))
+        assert m[1][2][3] == 23 * 6
+
+
+def test_repeated_interleaved_calls():
+    res = ok_results(run_ranks(rankfns.interleaved, 3, timeout=60))
+    assert all(v == [] for v in res.values()), res
