@@ -235,8 +235,13 @@ class DirectionShaper:
         """Runtime change in place: htb class 'change', netem 'change', nft rule replace."""
         self._check(shape)
         old = self.shape
-        if old is None:
-            return self.apply(shape)
+        if old is None:        # a handle made for an existing fabric: start from the kernel
+            try:
+                old = self.read_back()
+            except ShapingMismatch:
+                return self.apply(shape)
+            if self._plan(old) != self._kernel_plan():
+                return self.apply(shape)
         old_root, old_leaf = self._plan(old)
         root, leaf = self._plan(shape)
         idx = self._ifindex()
@@ -323,6 +328,19 @@ class DirectionShaper:
         if shape.rate_bps is not None:
             return "htb", ("netem" if netem else "pfifo")
         return ("netem", None) if netem else (None, None)
+
+    def _kernel_plan(self) -> tuple[Optional[str], Optional[str]]:
+        """(root, leaf) kinds of our qdiscs as they are in the kernel now."""
+        idx = self._ifindex()
+        qdiscs = [q for q in self.egress.get_qdiscs(index=idx) if q["index"] == idx]
+        kinds = {q["parent"]: (q.get_attr("TCA_KIND"), q["handle"]) for q in qdiscs}
+        root = kinds.get(TC_H_ROOT)
+        if root == ("htb", HTB_HANDLE):
+            leaf = kinds.get(CLASS_HANDLE)
+            return "htb", (leaf[0] if leaf and leaf[1] == LEAF_HANDLE else None)
+        if root == ("netem", LEAF_HANDLE):
+            return "netem", None
+        return None, None
 
     def _nft_loss(self) -> bool:
         return not self.caps.netem and self.caps.nftables

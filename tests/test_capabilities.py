@@ -37,7 +37,6 @@ def test_probe_reports_this_kernel_and_leaves_nothing_behind():
     elapsed = time.monotonic() - t0
     assert elapsed < 1.0, f"probe took {elapsed:.3f}s"
     assert not os.path.exists(f"/run/netns/nzt-probe-{os.getpid()}")
-    assert not any(n.startswith("nzt-probe-") for n in os.listdir("/run/netns"))
     for feature in ("netns", "veth", "bridge", "htb", "tbf", "nftables"):
         assert getattr(caps, feature), f"{feature}: {caps.details.get(feature)}"
     # netem: whatever the probe says must agree with tc itself; here (no sch_netem) it is False

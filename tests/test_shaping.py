@@ -377,3 +377,119 @@ def test_netem_delay_read_back(pair, shaper, caps):
     assert shapes_match(Shape(rate_bps=100 * MBIT, delay_s=0.020), shaper.read_back())
     shaper.change(Shape(delay_s=0.005))          # netem alone, as root
     assert shapes_match(Shape(delay_s=0.005), shaper.read_back())
+
+
+@root_only
+def test_handle_for_existing_fabric_changes_in_place(pair, shaper, caps):
+    """A second process (status, faults) makes a new DirectionShaper for an existing link:
+    read_back works at once and change() is still in place, not a rebuild."""
+    ipr_a, ipr_b, ns_a, ns_b = pair
+    loss = 0.02 if caps.loss_method else 0.0
+    shaper.apply(Shape(rate_bps=200 * MBIT, loss=loss))
+    _udp_probe(ns_a, ns_b, 200, port=9997)
+    before = _class_bytes(ipr_a, "ta")
+    assert before > 0
+    other = DirectionShaper(ipr_a, ns_a, "ta", ipr_b, ns_b, "tb", caps)
+    assert other.read_back() == Shape(rate_bps=200 * MBIT, loss=loss)
+    t0 = time.monotonic()
+    other.change(Shape(rate_bps=100 * MBIT, loss=loss / 2))
+    assert time.monotonic() - t0 < 0.050
+    assert _class_bytes(ipr_a, "ta") >= before
+    assert shaper.read_back() == Shape(rate_bps=100 * MBIT, loss=loss / 2)
+    d = other.describe()
+    assert d["rate"] == "100mbit" and d["rate_bps"] == 100 * MBIT
+    assert d["loss_method"] == (caps.loss_method if loss else None)
+    assert d["qdiscs"][0].startswith("htb 1:") and "class htb 1:10 rate 100mbit" in d["qdiscs"][1]
+    print("\n" + json.dumps(d, indent=1))
+
+
+def test_decode_kernel_netem_dump_with_64bit_attributes():
+    """A netem dump as a current kernel sends it: tc_netem_qopt followed by nested
+    TCA_NETEM_LATENCY64/JITTER64 (types 10, 11) that pyroute2 does not name."""
+    import struct
+    from pyroute2.netlink.rtnl.tcmsg import tcmsg
+    ticks = lambda s: int(s * 1e6 * 15.625)   # psched ticks of 64 ns
+    qopt = struct.pack("=6I", ticks(0.025), 5000, int(0.1 * 0xFFFFFFFF), 0, 0, ticks(0.003))
+    nested = b"".join(struct.pack("=HHq", 12, t, v) for t, v in ((10, 25_000_000),
+                                                                   (11, 3_000_000)))
+    options = qopt + nested
+    kind = b"netem\0"
+    attrs = (struct.pack("=HH", 4 + len(kind), 1) + kind + b"\0" * (-len(kind) % 4)
+             + struct.pack("=HH", 4 + len(options), 2) + options)
+    body = struct.pack("=BBHiIII", 0, 0, 0, 3, 0x100000, CLASS_HANDLE, 0) + attrs
+    raw = struct.pack("=IHHII", 16 + len(body), 36, 2, 1, 0) + body   # RTM_NEWQDISC, multi
+    msg = tcmsg(raw)
+    msg.decode()
+    opts = msg.get_attr("TCA_OPTIONS")
+    loss, delay, jitter = decode_netem(opts)
+    assert opts["limit"] == 5000
+    assert abs(delay - 0.025) < 1e-6 and abs(jitter - 0.003) < 1e-6 and abs(loss - 0.1) < 1e-6
+
+
+class _RecordingIPRoute:
+    """Stands in for pyroute2's IPRoute: records tc calls and encodes each one the way pyroute2
+    would send it (so bad netem/htb arguments fail here, on a kernel without netem too)."""
+
+    def __init__(self):
+        self.calls = []
+
+    def link_lookup(self, ifname):
+        return [7]
+
+    def get_qdiscs(self, index=None):
+        return []
+
+    def tc(self, command, kind=None, index=0, handle=0, **kw):
+        from pyroute2.netlink.rtnl.tcmsg import plugins, tcmsg
+        self.calls.append((command, kind, handle, kw.get("parent"), dict(kw)))
+        if kind in ("netem", "htb") and command != "del":
+            plugin = plugins[kind]
+            if command.endswith("class"):
+                opts = plugin.get_class_parameters(dict(kw))
+            else:
+                opts = plugin.get_parameters(dict(kw))
+            msg = tcmsg()
+            msg["index"], msg["handle"], msg["parent"] = index, handle, kw.get("parent", 0)
+            msg["attrs"] = [["TCA_KIND", kind], ["TCA_OPTIONS", opts]]
+            msg.encode()
+
+
+def test_netem_code_paths_message_building(monkeypatch):
+    """What apply/change send on a kernel WITH netem (cannot run here), kernel-free."""
+    from testbed.capabilities import Capabilities
+    caps = Capabilities(netns=True, veth=True, htb=True, netem=True, nftables=True)
+    fake = _RecordingIPRoute()
+    s = DirectionShaper(fake, "nzt-x-a", "ta", fake, "nzt-x-b", "tb", caps, name="h1.r0:up")
+    monkeypatch.setattr(s, "_verify", lambda shape: setattr(s, "shape", shape))
+    monkeypatch.setattr(s, "_remove_tree", lambda: fake.calls.append(("remove-tree",)))
+    monkeypatch.setattr(shaping, "nft_run", lambda *a, **k: pytest.fail("nft used with netem"))
+
+    s.apply(Shape(rate_bps=100 * MBIT, loss=0.01, delay_s=0.010))
+    assert [c[:4] for c in fake.calls[1:]] == [
+        ("add", "htb", HTB_HANDLE, None), ("add-class", "htb", CLASS_HANDLE, HTB_HANDLE),
+        ("add", "netem", shaping.LEAF_HANDLE, CLASS_HANDLE)]
+    netem = fake.calls[-1][4]
+    assert netem["delay"] == 10_000 and netem["loss"] == pytest.approx(1.0)
+    assert netem["limit"] >= 1000
+
+    fake.calls.clear()
+    s.change(Shape(rate_bps=50 * MBIT, delay_s=0.020, jitter_s=0.002))   # all in place
+    assert [c[:4] for c in fake.calls] == [
+        ("change-class", "htb", CLASS_HANDLE, HTB_HANDLE),
+        ("change", "netem", shaping.LEAF_HANDLE, CLASS_HANDLE)]
+    assert fake.calls[1][4]["jitter"] == 2_000 and fake.calls[1][4]["loss"] == 0
+
+    fake.calls.clear()
+    s.change(Shape(rate_bps=50 * MBIT))                   # netem leaf -> pfifo leaf
+    assert [c[:3] for c in fake.calls] == [("del", "netem", shaping.LEAF_HANDLE),
+                                           ("add", "pfifo", shaping.LEAF_HANDLE)]
+
+    fake.calls.clear()
+    s.change(Shape(loss=1.0))                             # black hole, netem alone at the root
+    assert fake.calls[0] == ("remove-tree",)
+    assert fake.calls[1][:4] == ("add", "netem", shaping.LEAF_HANDLE, shaping.TC_H_ROOT)
+    assert fake.calls[1][4]["loss"] == 100.0
+
+    with pytest.raises(CapabilityError):
+        DirectionShaper(fake, "a", "ta", fake, "b", "tb", Capabilities(htb=True),
+                        ).apply(Shape(loss=0.1))
