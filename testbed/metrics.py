@@ -30,6 +30,8 @@ SETTLE_S = 0.5           # after a fault's end, excluded from steady-state share
 STEADY_S = 1.0           # stalls closer than this to each other belong to the same failover
 RECOVERY_SHARE = 0.5     # a healed rail has recovered at this fraction of its pre-fault share
 SUSTAIN_S = 0.25         # ... held over two consecutive windows of this length
+ACTIVITY_FLOOR = 0.01    # traffic below 1 % of the rails' nominal sum is background, not work
+ACTIVITY_FLOOR_BPS = 1e6  # ... or below 1 Mbit/s when a rail is unshaped
 EARLY_TOL_S = 0.05       # an event this much before t_applied still belongs to the fault
 RAIL_REMOVING = ("link-down", "blackhole", "flap")
 DEGRADING = ("rate", "loss", "delay")
@@ -189,11 +191,14 @@ def _sum(rates: Rates, rails: Sequence[str]) -> np.ndarray:
     return out
 
 
-def _shares(rates: Rates, mask: np.ndarray, rails: Sequence[str], min_bytes: float = 1e4
+def _shares(rates: Rates, mask: np.ndarray, rails: Sequence[str], floor_bps: float = 0.0
             ) -> dict[str, Optional[float]]:
+    """Each rail's share of the goodput bytes in the bins of ``mask``; None for all when the
+    mean total goodput there is below ``floor_bps`` (background chatter, not a workload)."""
     byt = {r: float(np.nansum(rates.rail_bps[r][mask])) * rates.bin_s / 8 for r in rails}
     total = sum(byt.values())
-    if total < min_bytes:
+    seconds = float(mask.sum()) * rates.bin_s
+    if total <= 0 or seconds <= 0 or total * 8 / seconds < max(floor_bps, 1.0):
         return {r: None for r in rails}
     return {r: byt[r] / total for r in rails}
 
@@ -263,7 +268,7 @@ def _event_rails(e: dict, rails: Sequence[str]) -> set:
 
 def failover(f: dict, rates: Rates, fault_rails: Sequence[str], rails: Sequence[str],
              faults: Sequence[dict], windows: Sequence[tuple[float, float]],
-             run_end: float) -> dict:
+             run_end: float, floor_bps: float = 0.0) -> dict:
     """failover_ms of one rail-removing fault.
 
     S(t) = goodput of the surviving rails (every rail the fault does not take out; sum over
@@ -281,6 +286,8 @@ def failover(f: dict, rates: Rates, fault_rails: Sequence[str], rails: Sequence[
     time from the fault until the surviving rails carry traffic at their steady rate again,
     including the time they kept carrying their own share before stalling.
 
+    The fault window must carry workload traffic: a mean S below ACTIVITY_FLOOR (1 % of the
+    rails' nominal sum, or 1 Mbit/s if a rail is unshaped) is background chatter -> None.
     failover_ms = (end - t_applied) in ms; 0 when the surviving rails never stalled beyond the
     pre-fault pattern (traffic moved on without interruption). None when no rail survives or
     the surviving rails carried nothing after the fault or never resumed before the run ended.
@@ -301,8 +308,11 @@ def failover(f: dict, rates: Rates, fault_rails: Sequence[str], rails: Sequence[
     S = _sum(rates, survivors)
     kT, kE = _bin(rates, T), max(_bin(rates, end), _bin(rates, T) + 1)
     L = _level(S[kT:kE])
-    if L is None:
-        res["note"] = "the surviving rails carried no traffic after the fault"
+    mean = float(np.mean(np.nan_to_num(S[kT:kE]))) if kE > kT else 0.0
+    if L is None or mean < floor_bps:
+        res["note"] = ("the surviving rails carried no workload traffic after the fault"
+                       + (f" (mean {mean / 1e6:.3f} Mbit/s, below the "
+                          f"{floor_bps / 1e6:.2f} Mbit/s floor)" if L else ""))
         return res
     thr = STALL_FRACTION * L
     # the pre-fault pattern
@@ -364,7 +374,7 @@ def iteration_stall(T: float, table: Sequence[dict]) -> Optional[float]:
 
 def recovery(heal_t: float, ref_t: float, rates: Rates, fault_rails: Sequence[str],
              rails: Sequence[str], faults: Sequence[dict],
-             windows: Sequence[tuple[float, float]]) -> dict:
+             windows: Sequence[tuple[float, float]], floor_bps: float = 0.0) -> dict:
     """recovery_ms after a fault ends (its t_end, or an explicit link-up's t_applied).
 
     For each rail the fault took out or degraded: its pre-fault share p = its bytes / all rails'
@@ -381,7 +391,7 @@ def recovery(heal_t: float, ref_t: float, rates: Rates, fault_rails: Sequence[st
         return res
     mask = np.zeros(len(rates), dtype=bool)
     mask[k0:kF] = True
-    pre = _shares(rates, mask, rails)
+    pre = _shares(rates, mask, rails, floor_bps)
     m = max(1, int(round(SUSTAIN_S / rates.bin_s)))
     worst: Optional[float] = 0.0
     kh = _bin(rates, heal_t)
@@ -391,7 +401,7 @@ def recovery(heal_t: float, ref_t: float, rates: Rates, fault_rails: Sequence[st
         info: dict[str, Any] = {"pre_share": p, "recovery_ms": None}
         res["by_rail"][r] = info
         if not p or p < 0.01:
-            notes.append(f"rail {r} carried no traffic before the fault")
+            notes.append(f"rail {r} carried no workload traffic before the fault")
             worst = None
             continue
         thr = RECOVERY_SHARE * p
@@ -531,6 +541,10 @@ def compute(topo, scenario, samples: Optional[Samples], iterations: Sequence[dic
     if out["busbw_vs_single_rail"] is None:
         notes["busbw_vs_single_rail"] = "no single-rail run to compare with"
     nominal = {r: nominal_rate_bps(topo, r) for r in rails}
+    # below this goodput a set of rails carries background chatter (ARP, neighbour discovery,
+    # probes), not a workload: shares, failover and recovery are not computed from it
+    floor = ACTIVITY_FLOOR * sum(nominal.values()) if all(nominal.values()) \
+        else ACTIVITY_FLOOR_BPS
     if out["busbw_mbps"] is not None and all(v for v in nominal.values()):
         out["busbw_vs_rail_sum"] = out["busbw_mbps"] * 1e6 / sum(nominal.values())
     elif out["busbw_mbps"] is not None:
@@ -576,7 +590,7 @@ def compute(topo, scenario, samples: Optional[Samples], iterations: Sequence[dic
             stop = (te if te is not None else math.inf) + SETTLE_S
             steady &= ~((rates.edges[1:] > ta) & (rates.edges[:-1] < stop))
         present = [r for r in rails if r in rates.rail_bps]
-        sh = _shares(rates, steady, present) if steady.any() else {r: None for r in present}
+        sh = _shares(rates, steady, present, floor) if steady.any() else {r: None for r in present}
         for r in rails:
             out[SHARE_PREFIX + r] = sh.get(r)
         if not steady.any():
@@ -626,7 +640,7 @@ def compute(topo, scenario, samples: Optional[Samples], iterations: Sequence[dic
             else:
                 det_vals.append(d["detection_ms"])
             if rates is not None and len(rates):
-                fo = failover(f, rates, fr, rails, ordered, windows, run_end)
+                fo = failover(f, rates, fr, rails, ordered, windows, run_end, floor)
                 row.update({k: v for k, v in fo.items() if k != "note"},
                            failover_note=fo["note"])
                 row["iteration_stall_ms"] = iteration_stall(f["t_applied"], table)
@@ -646,7 +660,7 @@ def compute(topo, scenario, samples: Optional[Samples], iterations: Sequence[dic
                 heal, ref = f["t_applied"], prev[-1]["t_applied"]
         if heal is not None:
             if rates is not None and len(rates):
-                rc = recovery(heal, ref, rates, fr, rails, ordered, windows)
+                rc = recovery(heal, ref, rates, fr, rails, ordered, windows, floor)
                 row.update(recovery_ms=rc["recovery_ms"], recovery_by_rail=rc["by_rail"],
                            recovery_note=rc["note"])
                 if rc["recovery_ms"] is None:

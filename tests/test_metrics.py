@@ -372,3 +372,12 @@ def test_no_iteration_records_is_not_a_vacuous_pass():
     v = verdict.judge(SCEN.expect, m)
     row = next(r for r in v.rows if r.metric == "wrong_results")
     assert not row.ok and "no iteration records" in row.note
+
+
+def test_background_chatter_is_not_a_workload():
+    # 0.1 Mbit/s of neighbour discovery in bursts: no failover, no shares computed from it
+    bursts = pattern(0.0, 8.0, 0.01, 0.5)
+    s = synth_samples({"r0": bursts, "r1": _cut(bursts, 3.0)}, rates={"r0": 5e6, "r1": 5e6})
+    m = metrics.compute(TOPO, SCEN, s, [], [], [fault_record(t_end=None)], t0=0.0)
+    assert m["failover_ms"] is None and "no workload traffic" in m["notes"]["failover_ms"]
+    assert m["rail_share.r0"] is None
