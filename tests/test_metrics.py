@@ -328,13 +328,15 @@ except OSError:
 
 @pytest.mark.netns
 @pytest.mark.slow
-def test_sampler_on_a_real_fabric(no_leftovers):
+def test_sampler_on_a_real_fabric():
     """A TCP stream h1 -> h2 on r0 (shaped to 50 Mbit/s): the sampler measures ~50 Mbit/s on
     r0 and ~0 on r1; h2.r0 set down at a known time shows its traffic stopping within 20 ms."""
     from testbed.fabric import Fabric
     topo = spec.loads("name: meas\nhosts: 2\nrails:\n  - {name: r0, bandwidth: 50mbit}\n"
                       "  - {name: r1, bandwidth: 50mbit}\n")
+    from testbed import netns
     with Fabric(topo) as fab:
+        ours = list(fab.state.namespaces)
         dst, src = topo.address("h2", "r0"), topo.address("h1", "r0")
         sink = fab.hosts["h2"].popen([sys.executable, "-c", _SINK, dst, "5301", "1.0"],
                                      stdout=subprocess.PIPE, text=True)
@@ -346,6 +348,8 @@ def test_sampler_on_a_real_fabric(no_leftovers):
         time.sleep(0.8)
         samples = sampler.stop()
         sender.kill(); sender.wait(); sink.kill(); sink.wait()
+    # (not the no_leftovers fixture: other fabrics may come and go on this machine meanwhile)
+    assert ours and not [n for n in ours if netns.exists(n)], "namespaces left behind"
     assert samples.ticks > 300 and samples.late_ticks < 0.2 * samples.ticks
     t_first = t_down - 3.0
     r = samples.rates(0.02, start=t_first + 1.0, end=t_down - 0.05)
