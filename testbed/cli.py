@@ -176,6 +176,18 @@ def cmd_run(args) -> int:
                     backend=args.backend, capture=args.capture)
 
 
+def cmd_shell(args) -> int:
+    from .shell import run_shell
+    from .spec import load
+    _require_root()
+    return run_shell(load(args.file), backend=args.backend, progress=_progress)
+
+
+def cmd_pcap(args) -> int:
+    from .pcap_report import main as pcap_main
+    return pcap_main(args.results, as_json=args.json, rails=args.rails)
+
+
 # ------------------------------------------------------------------------------------- parser
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m testbed",
@@ -220,6 +232,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("doctor", help="kernel features and tools this machine has")
     s.set_defaults(func=cmd_doctor)
+
+    s = sub.add_parser("shell", help="build a topology, explore it interactively, tear it down")
+    s.add_argument("file")
+    s.add_argument("--backend", choices=("pyroute2", "mininet"), help="override the file's backend")
+    s.set_defaults(func=cmd_shell)
+
+    s = sub.add_parser("pcap", help="per-rail split, retransmits and reroutes from captures")
+    s.add_argument("results", help="results folder (or a folder of *.pcap files)")
+    s.add_argument("--json", action="store_true")
+    s.add_argument("--rails", help="rail names in index order, e.g. r0,r1 (default: from files)")
+    s.set_defaults(func=cmd_pcap)
     return p
 
 
