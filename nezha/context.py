@@ -27,7 +27,7 @@ from . import collectives, wire
 from .balance import Balancer
 from .engine import Engine
 from .errors import (ConfigError, DuplicateRankError, MissingRankError, NezhaError,
-                     RendezvousError, StoreTimeout, WorldSizeMismatchError, RendezvousAborted)
+                     RendezvousError, StoreError, StoreTimeout, WorldSizeMismatchError, RendezvousAborted)
 from .events import Events
 from .rails import parse_rails
 from .store import StoreClient, StoreServer
@@ -138,7 +138,11 @@ class Context:
         try:
             endpoints = self._transport.listen()
             self._rendezvous(store, master, serve_store, group, endpoints)
-        except BaseException:
+        except BaseException as e:
+            if self._server is not None and self._store is not None:
+                # tell ranks still waiting on our store why, before it goes away
+                self._store.abort(f"rank {self.rank} (store host) failed: {e}")
+                time.sleep(0.3)
             self._teardown()
             raise
         self.events.emit("connected", peers=self.world_size - 1, rails=self.nrails)
@@ -182,6 +186,9 @@ class Context:
                                    f"{self.timeout:g} s (world size {self.world_size})") from None
         except RendezvousAborted as e:
             raise RendezvousAborted(f"rank {self.rank}: rendezvous aborted by another rank: {e}") from None
+        except StoreError as e:
+            raise RendezvousError(f"rank {self.rank}: the store failed during rendezvous "
+                                  f"(did the rank serving it give up?): {e}") from None
         infos = [json.loads(store.get(k, 1.0)) for k in keys]
         for r, inf in enumerate(infos):
             bad = None

@@ -143,6 +143,9 @@ def length_of(rank, world, port, counts, dtypes=None, ops=None, roots=None, kind
                 ctx.allreduce(a, op=op)
             else:
                 ctx.broadcast(a, root=(roots or [0] * world)[rank])
+                # a receiver whose own view was consistent may finish the broadcast itself;
+                # it must learn of the others' failure at its next collective
+                ctx.barrier()
         finally:
             elapsed = time.monotonic() - t0
     return elapsed
@@ -196,12 +199,20 @@ def kill_rail_mid_op(rank, world, port, rail=1, count=4 << 20, iters=4, system="
     """A rail's connections break during a large allreduce: the result must stay exact."""
     bad = []
     with make_ctx(rank, world, port, 2, system, timeout=10.0) as ctx:
+        inputs = [data(rank, it, count, "float32") for it in range(iters)]
         ctx.barrier()
         if rank == 0:
             import threading
-            threading.Timer(0.02, lambda: ctx._debug_kill_rail(1, rail)).start()
+
+            def watch():   # break the rail while chunks are in flight on it
+                c = ctx.events.rails[rail]
+                start = c.chunks_sent
+                while c.chunks_sent < start + 3:
+                    time.sleep(0.0005)
+                ctx._debug_kill_rail(1, rail)
+            threading.Thread(target=watch, daemon=True).start()
         for it in range(iters):
-            a = data(rank, it, count, "float32")
+            a = inputs[it]
             ctx.allreduce(a)
             if not np.array_equal(a, reference(world, it, count, "float32", "sum")):
                 bad.append(it)

@@ -1,0 +1,67 @@
+"""Bad input from the application or from a peer: a clear error on every rank, no hang,
+never a wrong result."""
+import time
+
+import pytest
+
+from nezha.testing import run_ranks
+import rankfns
+
+TIMEOUT = 5.0
+
+
+def all_failed(res, *names):
+    for r, (ok, v) in res.items():
+        assert not ok, f"rank {r} returned {v!r} instead of failing"
+        assert v != "hung", f"rank {r} hung"
+        assert not isinstance(v, str), f"rank {r}: {v}"
+        assert v.isa("NezhaError"), (r, v)
+        if names:
+            assert any(v.isa(n) or n in v.message for n in names), (r, v)
+
+
+@pytest.mark.parametrize("kw, word", [
+    (dict(counts=[1000, 1001]), "mismatch"),
+    (dict(counts=[0, 8]), "mismatch"),
+    (dict(counts=[64, 64], dtypes=["float32", "float64"]), "mismatch"),
+    (dict(counts=[64, 64], ops=["sum", "max"]), "mismatch"),
+])
+def test_mismatched_arguments(kw, word):
+    t0 = time.monotonic()
+    res = run_ranks(rankfns.length_of, 2, timeout=TIMEOUT * 3, **kw)
+    all_failed(res, "MismatchError")
+    for ok, v in res.values():
+        assert word in v.message.lower()
+    assert time.monotonic() - t0 < TIMEOUT * 2
+
+
+def test_mismatched_broadcast_root():
+    res = run_ranks(rankfns.length_of, 3, timeout=TIMEOUT * 3, counts=[100] * 3,
+                    roots=[0, 1, 0], kind="broadcast")
+    all_failed(res)
+
+
+@pytest.mark.parametrize("what", ["garbage", "badcrc", "overflow", "truncated"])
+def test_bad_frames_from_a_peer(what):
+    t0 = time.monotonic()
+    res = run_ranks(rankfns.inject, 3, timeout=TIMEOUT * 3, what=what, victim=0, attacker=1)
+    all_failed(res)
+    msg = res[0][1].message
+    if what == "truncated":
+        assert "closed" in msg
+    elif what == "overflow":     # well-formed header, but not a chunk of anything posted
+        assert res[0][1].isa("ProtocolError") or res[0][1].isa("MismatchError"), res[0][1]
+    else:
+        assert res[0][1].isa("ProtocolError"), res[0][1]
+    assert time.monotonic() - t0 < TIMEOUT * 2.5
+
+
+def test_peer_dies_mid_operation():
+    t0 = time.monotonic()
+    res = run_ranks(rankfns.die_mid_op, 3, timeout=TIMEOUT * 3, victim=1)
+    assert res[1] == (False, "exited with code 17") or res[1][1] == "hung" or not res[1][0]
+    for r in (0, 2):
+        ok, v = res[r]
+        assert not ok and not isinstance(v, str), (r, v)
+        assert v.isa("CommError"), v
+    assert time.monotonic() - t0 < TIMEOUT * 2.5
