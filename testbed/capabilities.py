@@ -96,12 +96,13 @@ _NFT_CTX_OUTPUT_JSON = 1 << 4
 _libc = None
 _libnft = None
 _nft_pools: dict[str, ThreadPoolExecutor] = {}
+_pools_pid = os.getpid()
 _nft_lock = threading.Lock()
 
 
 def _load_libnftables():
     """libnftables through ctypes, or None (then the nft binary is run instead)."""
-    global _libc, _libnft
+    global _libnft
     if _libnft is None:
         try:
             lib = ctypes.CDLL(ctypes.util.find_library("nftables") or "libnftables.so.1",
@@ -117,51 +118,65 @@ def _load_libnftables():
             lib.nft_ctx_get_error_buffer.argtypes = [ctypes.c_void_p]
             lib.nft_ctx_output_set_flags.argtypes = [ctypes.c_void_p, ctypes.c_uint]
             lib.nft_run_cmd_from_buffer.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
-            libc = ctypes.CDLL(None, use_errno=True)
-            libc.setns.argtypes = [ctypes.c_int, ctypes.c_int]
-            _libc, _libnft = libc, lib
+            _libnft = lib
         except (OSError, AttributeError):
             _libnft = False
     return _libnft or None
 
 
 def _setns(fd: int) -> None:
+    global _libc
+    if _libc is None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.setns.argtypes = [ctypes.c_int, ctypes.c_int]
+        _libc = libc
     if _libc.setns(fd, CLONE_NEWNET) != 0:
         err = ctypes.get_errno()
         raise OSError(err, f"setns: {os.strerror(err)}")
 
 
-def _nft_in_ns(ns: Optional[str], text: str, json_out: bool) -> NftResult:
-    """Runs on the nft worker thread: enter ``ns`` (this thread only), run, come back."""
-    lib = _libnft
+def _in_netns(ns: Optional[str], fn, *args):
+    """Call ``fn(*args)`` with THIS thread inside named namespace ``ns``, then come back.
+    Only ever called on our worker threads: the caller's threads never change namespace."""
+    if ns is None:
+        return fn(*args)
     own = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
     try:
-        if ns is not None:
-            target = os.open(f"/run/netns/{ns}", os.O_RDONLY)
-            try:
-                _setns(target)
-            finally:
-                os.close(target)
+        target = os.open(f"/run/netns/{ns}", os.O_RDONLY)
         try:
-            ctx = lib.nft_ctx_new(0)
-            if not ctx:
-                return NftResult(1, "", "nft_ctx_new failed")
-            try:
-                lib.nft_ctx_buffer_output(ctx)
-                lib.nft_ctx_buffer_error(ctx)
-                lib.nft_ctx_output_set_flags(ctx, _NFT_CTX_OUTPUT_HANDLE | (
-                    _NFT_CTX_OUTPUT_JSON if json_out else 0))
-                rc = lib.nft_run_cmd_from_buffer(ctx, text.encode())
-                out = (lib.nft_ctx_get_output_buffer(ctx) or b"").decode()
-                err = (lib.nft_ctx_get_error_buffer(ctx) or b"").decode()
-                return NftResult(0 if rc == 0 else 1, out, err)
-            finally:
-                lib.nft_ctx_free(ctx)
+            _setns(target)
         finally:
-            if ns is not None:
-                _setns(own)
+            os.close(target)
+        try:
+            return fn(*args)
+        finally:
+            _setns(own)
     finally:
         os.close(own)
+
+
+def run_in_netns(ns: Optional[str], fn, *args, timeout: float = 10.0):
+    """Run ``fn(*args)`` on the namespace worker thread, inside ``ns``; sockets ``fn`` opens
+    belong to ``ns``. Returns fn's result (or raises its exception)."""
+    return _pool("nft-netns").submit(_in_netns, ns, fn, *args).result(timeout)
+
+
+def _nft_text(text: str, json_out: bool) -> NftResult:
+    lib = _libnft
+    ctx = lib.nft_ctx_new(0)
+    if not ctx:
+        return NftResult(1, "", "nft_ctx_new failed")
+    try:
+        lib.nft_ctx_buffer_output(ctx)
+        lib.nft_ctx_buffer_error(ctx)
+        lib.nft_ctx_output_set_flags(ctx, _NFT_CTX_OUTPUT_HANDLE | (
+            _NFT_CTX_OUTPUT_JSON if json_out else 0))
+        rc = lib.nft_run_cmd_from_buffer(ctx, text.encode())
+        out = (lib.nft_ctx_get_output_buffer(ctx) or b"").decode()
+        err = (lib.nft_ctx_get_error_buffer(ctx) or b"").decode()
+        return NftResult(0 if rc == 0 else 1, out, err)
+    finally:
+        lib.nft_ctx_free(ctx)
 
 
 def _nft_call(ns: Optional[str], args: list[str], stdin: Optional[str],
@@ -175,7 +190,7 @@ def _nft_call(ns: Optional[str], args: list[str], stdin: Optional[str],
     if _load_libnftables() is not None and (plain[:2] == ["-f", "-"] or
                                             not any(a.startswith("-") for a in plain)):
         text = stdin if plain[:2] == ["-f", "-"] else " ".join(plain)
-        return _nft_in_ns(ns, text or "", json_out)
+        return _in_netns(ns, _nft_text, text or "", json_out)
     cmd = ["nft", *args]
     if ns is not None:
         cmd = ["nsenter", f"--net=/run/netns/{ns}", *cmd]
@@ -184,7 +199,11 @@ def _nft_call(ns: Optional[str], args: list[str], stdin: Optional[str],
 
 
 def _pool(name: str) -> ThreadPoolExecutor:
+    global _pools_pid
     with _nft_lock:
+        if _pools_pid != os.getpid():    # forked: the parent's worker threads are not here
+            _nft_pools.clear()
+            _pools_pid = os.getpid()
         if name not in _nft_pools:
             _nft_pools[name] = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
         return _nft_pools[name]

@@ -459,7 +459,8 @@ def test_netem_code_paths_message_building(monkeypatch):
     from testbed.capabilities import Capabilities
     caps = Capabilities(netns=True, veth=True, htb=True, netem=True, nftables=True)
     fake = _RecordingIPRoute()
-    s = DirectionShaper(fake, "nzt-x-a", "ta", fake, "nzt-x-b", "tb", caps, name="h1.r0:up")
+    s = DirectionShaper(fake, "nzt-x-a", "ta", fake, "nzt-x-b", "tb", caps, name="h1.r0:up",
+                        per_packet_loss=False)
     monkeypatch.setattr(s, "_verify", lambda shape: setattr(s, "shape", shape))
     monkeypatch.setattr(s, "_remove_tree", lambda: fake.calls.append(("remove-tree",)))
     monkeypatch.setattr(shaping, "nft_run", lambda *a, **k: pytest.fail("nft used with netem"))
@@ -493,3 +494,30 @@ def test_netem_code_paths_message_building(monkeypatch):
     with pytest.raises(CapabilityError):
         DirectionShaper(fake, "a", "ta", fake, "b", "tb", Capabilities(htb=True),
                         ).apply(Shape(loss=0.1))
+
+
+@root_only
+@pytest.mark.slow
+def test_tcp_loss_is_per_packet(pair, shaper, caps):
+    """With loss, TSO/GSO go off on the egress interface: TCP loses single MTU packets at the
+    asked rate, not whole 64 KiB GSO skbs; offloads come back when the loss is gone."""
+    if caps.loss_method != "nftables":
+        pytest.skip("per-packet accounting via the nft drop counter")
+    ipr_a, _, ns_a, ns_b = pair
+    shaper.apply(Shape(rate_bps=200 * MBIT, loss=0.01))
+    assert shaper.offloads() == {"tso": False, "gso": False}
+    d0 = shaper.describe()
+    result = _iperf3(ns_a, ns_b, seconds=3)
+    d1 = shaper.describe()
+    drops = d1["nft_drops"] - d0["nft_drops"]
+    packets = d1["class_stats"]["packets"] - d0["class_stats"]["packets"]
+    sent = result["end"]["sum_sent"]
+    print(f"\n1% loss over TCP: {drops} drops of {packets} packets = {drops / packets * 100:.2f}%, "
+          f"{sent['retransmits']} retransmits, goodput "
+          f"{_goodput(result) / MBIT:.1f} Mbit/s")
+    assert drops > 100                       # many single-packet losses, not a few bursts
+    assert 0.006 <= drops / packets <= 0.014
+    t0 = time.monotonic()
+    shaper.change(Shape(rate_bps=200 * MBIT))
+    print(f"loss 1% -> 0 with offloads back on: {(time.monotonic() - t0) * 1e3:.2f} ms")
+    assert shaper.offloads() == {"tso": True, "gso": True}
