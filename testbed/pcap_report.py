@@ -1,0 +1,153 @@
+"""`python -m testbed pcap RESULTS_DIR`: what actually crossed each rail, from the captures.
+
+Per rail: Nezha bytes and chunks per operation, TCP retransmissions (a segment whose bytes were
+all seen before), rerouted chunks (the same (sender, op, step, chunk, offset) seen on more than
+one rail) and the split that crossed the wire (each rail's share of DATA payload bytes).
+
+Each packet is captured twice (leaving one host, entering another); a flow is counted once, from
+the capture of the host that owns its source address (``capture.json``, written by
+testbed/capture.py), so every byte is counted once, where it was sent.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from collections import defaultdict
+from pathlib import Path
+from typing import Optional
+
+from nezha import wire
+
+from .capture import MANIFEST
+from .dissect import frames_in, tcp_segments
+
+
+def find_captures(results: Path) -> tuple[Optional[dict], list[tuple[str, str, Path]]]:
+    """(manifest or None, [(host, rail, path)]) for a results folder or a captures folder."""
+    results = Path(results)
+    manifests = sorted(results.rglob(MANIFEST))
+    if manifests:
+        m = json.loads(manifests[0].read_text())
+        base = manifests[0].parent
+        return m, [(f["host"], f["rail"], base / f["file"]) for f in m["files"]
+                   if (base / f["file"]).exists()]
+    files = []
+    for p in sorted(results.rglob("*.pcap")):
+        host, _, rail = p.stem.partition(".")
+        files.append((host, rail, p))
+    return None, files
+
+
+def analyse(results, rails: Optional[list[str]] = None) -> dict:
+    manifest, files = find_captures(Path(results))
+    if not files:
+        raise FileNotFoundError(f"no pcap files under {results}")
+    owner = {}
+    if manifest:
+        for h, addrs in manifest["hosts"].items():
+            for r, a in addrs.items():
+                owner[a] = h
+        rails = rails or manifest["rails"]
+    rails = rails or sorted({r for _, r, _ in files})
+    seen_flows: set = set()
+    per_rail = {r: {"wire_bytes": 0, "tcp_bytes": 0, "tcp_segments": 0, "frames": 0,
+                    "data_bytes": 0, "chunks": 0, "retrans_segments": 0, "retrans_bytes": 0,
+                    "rerouted_chunks": 0, "acks": 0, "flows": 0, "unparsed_flows": []}
+                for r in rails}
+    per_op: dict = defaultdict(lambda: defaultdict(lambda: {"bytes": 0, "chunks": 0}))
+    op_kind: dict = {}
+    chunk_rails: dict = defaultdict(set)
+    per_host: dict = defaultdict(lambda: defaultdict(int))
+    for host, rail, path in files:
+        # flows sent by this host (by source address); without a manifest, the first file wins
+        flows = set()
+        for seg in tcp_segments(str(path)):
+            src = seg.flow[0]
+            if (owner.get(src) == host if owner else True) and seg.flow not in seen_flows:
+                flows.add(seg.flow)
+        seen_flows |= flows
+        frames, ra = frames_in(str(path), rail, flows)
+        pr = per_rail.setdefault(rail, {k: 0 for k in per_rail[rails[0]]} | {"unparsed_flows": []})
+        for st in ra.flows.values():
+            pr["wire_bytes"] += st.wire_bytes
+            pr["tcp_bytes"] += st.bytes
+            pr["tcp_segments"] += st.segments
+            pr["retrans_segments"] += st.retrans_segments
+            pr["retrans_bytes"] += st.retrans_bytes
+            pr["flows"] += 1
+            if st.error and st.error.startswith("not a Nezha frame at stream offset 0:"):
+                pr["other_flows"] = pr.get("other_flows", 0) + 1   # rendezvous store, iperf3...
+            elif st.error and st.bytes:
+                pr["unparsed_flows"].append({"flow": list(st.flow), "error": st.error})
+        for fr in frames:
+            h = fr.header
+            pr["frames"] += 1
+            if h.type == wire.ACK:
+                pr["acks"] += 1
+            if h.type != wire.DATA:
+                continue
+            pr["data_bytes"] += h.length
+            pr["chunks"] += 1
+            per_host[host][rail] += h.length
+            op = per_op[h.op_id][rail]
+            op["bytes"] += h.length
+            op["chunks"] += 1
+            op_kind[h.op_id] = wire.KIND_NAMES.get(h.kind, str(h.kind))
+            chunk_rails[(h.src, h.op_id, h.step, h.chunk, h.offset)].add(rail)
+    rerouted = {k: v for k, v in chunk_rails.items() if len(v) > 1}
+    for key, rs in rerouted.items():
+        for r in rs:
+            per_rail[r]["rerouted_chunks"] += 1
+    total = sum(pr["data_bytes"] for pr in per_rail.values())
+    for pr in per_rail.values():
+        pr["share"] = pr["data_bytes"] / total if total else 0.0
+    return {
+        "results": str(results),
+        "rails": per_rail,
+        "split": {r: pr["share"] for r, pr in per_rail.items()},
+        "data_bytes": total,
+        "sent_by_host": {h: dict(v) for h, v in per_host.items()},
+        "operations": {str(op): {"kind": op_kind.get(op), "rails": dict(v)}
+                       for op, v in sorted(per_op.items())},
+        "rerouted": [{"src": k[0], "op": k[1], "step": k[2], "chunk": k[3], "offset": k[4],
+                      "rails": sorted(v)} for k, v in sorted(rerouted.items())],
+        "captures": manifest["files"] if manifest else [str(p) for _, _, p in files],
+    }
+
+
+def format_report(rep: dict) -> str:
+    lines = [f"captures in {rep['results']}: {rep['data_bytes']} bytes of Nezha data"]
+    lines.append(f"  {'rail':<6} {'share':>7} {'data bytes':>12} {'chunks':>7} {'wire bytes':>12} "
+                 f"{'retrans':>8} {'rerouted':>8}")
+    for r, pr in rep["rails"].items():
+        lines.append(f"  {r:<6} {pr['share'] * 100:>6.1f}% {pr['data_bytes']:>12} "
+                     f"{pr['chunks']:>7} {pr['wire_bytes']:>12} {pr['retrans_segments']:>8} "
+                     f"{pr['rerouted_chunks']:>8}")
+        if pr.get("other_flows"):
+            lines.append(f"         {pr['other_flows']} non-Nezha TCP flow(s) (rendezvous store...)")
+        for u in pr["unparsed_flows"]:
+            lines.append(f"         flow {u['flow']}: {u['error']}")
+    if rep["operations"]:
+        lines.append("  per operation (bytes/chunks per rail):")
+        for op, o in rep["operations"].items():
+            cells = "  ".join(f"{r}={v['bytes']}/{v['chunks']}" for r, v in o["rails"].items())
+            lines.append(f"    op {op:>4} {o['kind'] or '':<14} {cells}")
+    for c in rep["captures"]:
+        if isinstance(c, dict) and (c.get("truncated") or c.get("kernel_dropped")):
+            lines.append(f"  warning: {c['file']} truncated={c.get('truncated')} "
+                         f"kernel_dropped={c.get('kernel_dropped', 0)}")
+    return "\n".join(lines)
+
+
+def main(results, as_json: bool = False, rails: Optional[str] = None) -> int:
+    from .errors import TestbedError
+    try:
+        rep = analyse(results, rails.split(",") if rails else None)
+    except FileNotFoundError as e:
+        raise TestbedError(str(e)) from None
+    print(json.dumps(rep, indent=1) if as_json else format_report(rep))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1], "--json" in sys.argv))
