@@ -548,7 +548,7 @@ class DirectionShaper:
         kind = root.get_attr("TCA_KIND") if root is not None else None
         netem_q = None
         if kind == "htb" and root["handle"] == HTB_HANDLE:
-            info["qdiscs"].append(f"htb 1: root default 1:10")
+            info["qdiscs"].append("htb 1: root default 1:10")
             cls = next((c for c in self.egress.get_classes(index=idx)
                         if c["index"] == idx and c["handle"] == CLASS_HANDLE), None)
             if cls is None:
@@ -565,8 +565,8 @@ class DirectionShaper:
             if ceil_Bps != rate_Bps:
                 raise ShapingMismatch(f"{self.name}: class 1:10 rate {rate} != ceil "
                                       f"{ceil_Bps * 8}")
-            basic = (cls.get_attr("TCA_STATS2") or {}).get_attr("TCA_STATS_BASIC") \
-                if cls.get_attr("TCA_STATS2") else None
+            stats = cls.get_attr("TCA_STATS2")
+            basic = stats.get_attr("TCA_STATS_BASIC") if stats is not None else None
             if basic:
                 info["class_stats"] = {"bytes": basic["bytes"], "packets": basic["packets"]}
             leaf = next((q for q in qdiscs if q["parent"] == CLASS_HANDLE), None)
@@ -576,8 +576,7 @@ class DirectionShaper:
                     netem_q = leaf
                 else:
                     lopts = leaf.get_attr("TCA_OPTIONS")
-                    limit = lopts.get("limit") if isinstance(lopts, dict) or hasattr(
-                        lopts, "get") else None
+                    limit = lopts.get("limit") if lopts is not None else None
                     info["qdiscs"].append(f"{lk} {_handle(leaf['handle'])} parent 1:10"
                                           + (f" limit {limit}" if limit is not None else ""))
         elif kind == "netem":
