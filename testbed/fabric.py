@@ -191,7 +191,7 @@ class Fabric:
         self.state = RunState.new(self.topo.name, self.backend, self.topo.to_dict(),
                                   self.topo.raw)
         try:
-            with _sigterm_as_interrupt():
+            with sigterm_as_interrupt():
                 self._build()
         except BaseException:
             self.teardown()
@@ -323,9 +323,10 @@ class Fabric:
                 peer_end = _intf(peer_ns, peer_if, self._ipr[peer_ns])
                 mtu = topo.link(h, rail.name).mtu
                 up = DirectionShaper(host.ipr, host.ns, rail.name, peer_end.ipr, peer_ns, peer_if,
-                                     self.caps, mtu=mtu)
+                                     self.caps, mtu=mtu, name=f"{h}.{rail.name} (to switch)")
                 down = DirectionShaper(peer_end.ipr, peer_ns, peer_if, host.ipr, host.ns,
-                                       rail.name, self.caps, mtu=mtu)
+                                       rail.name, self.caps, mtu=mtu,
+                                       name=f"{h}.{rail.name} (from switch)")
                 link = Link(f"{h}.{rail.name}", h, rail.name, host_end, peer_end,
                             topo.link(h, rail.name).shape, up, down)
                 self.links[link.name] = link
@@ -404,7 +405,7 @@ def _sysctl(ns: str, values: dict[str, str]) -> None:
 
 
 @contextmanager
-def _sigterm_as_interrupt() -> Iterator[None]:
+def sigterm_as_interrupt() -> Iterator[None]:
     """During a build, SIGTERM unwinds like Ctrl-C so the half-built fabric is removed."""
     owner = os.getpid()
 

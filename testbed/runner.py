@@ -16,7 +16,7 @@ from typing import Callable, Optional
 from . import measure, metrics as metrics_mod, report, verdict as verdict_mod
 from .capabilities import probe
 from .errors import SpecError, TestbedError
-from .fabric import Fabric
+from .fabric import Fabric, sigterm_as_interrupt
 from .faults import FaultInjector
 from .scenario import Scenario, build as build_scenario
 from .spec import Topology, check_capabilities, load
@@ -66,7 +66,8 @@ def run_topology(topo: Topology, results_dir: Optional[Path] = None,
     say(f"== {topo.name}: {len(topo.hosts)} hosts x {len(topo.rails)} rails "
         f"({', '.join(f'{r.name} {r.shape.describe()}' for r in topo.rails)}); results in {out}")
     fabric = Fabric(topo, caps, progress=lambda m: say(f"   build: {m}"))
-    old_term = signal.signal(signal.SIGTERM, _raise_interrupt)
+    guard = sigterm_as_interrupt()
+    guard.__enter__()
     injector: Optional[FaultInjector] = None
     sampler = None
     try:
@@ -139,11 +140,7 @@ def run_topology(topo: Topology, results_dir: Optional[Path] = None,
             sampler.stop()
         t = fabric.teardown()
         say(f"   fabric torn down in {t * 1000:.0f} ms")
-        signal.signal(signal.SIGTERM, old_term)
-
-
-def _raise_interrupt(signum, frame):
-    raise KeyboardInterrupt(f"signal {signum}")
+        guard.__exit__(None, None, None)
 
 
 def run_file(path, results_dir=None, backend: Optional[str] = None,

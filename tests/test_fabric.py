@@ -20,7 +20,7 @@ rails:
   - {name: r1, bandwidth: 200mbit}
   - {name: r2, bandwidth: 500mbit}
 links:
-  h3.r1: {bandwidth: 20mbit}
+  h3.r1: {bandwidth: 100mbit}
 """
 
 
@@ -30,24 +30,32 @@ def rates_fabric():
         yield fab
 
 
+def assert_rate(goodput: float, mbit: float) -> None:
+    """iperf3's TCP goodput, carried in full Ethernet frames, is the configured rate within 5 %
+    (and never above it). Goodput alone sits 4.4 % below the rate by framing, like a real NIC's
+    941 of 1000 Mbit/s, so the frames are what we compare."""
+    assert goodput <= mbit * 1e6 * 1.01, f"{goodput / 1e6:.1f} Mbit/s exceeds {mbit}"
+    wire = probes.on_wire(goodput)
+    assert wire == pytest.approx(mbit * 1e6, rel=0.05), \
+        f"goodput {goodput / 1e6:.1f} Mbit/s = {wire / 1e6:.1f} on the wire, set {mbit}"
+
+
 @pytest.mark.parametrize("rail,mbit", [("r0", 50), ("r1", 200), ("r2", 500)])
 def test_iperf3_measures_the_configured_rate(rates_fabric, rail, mbit):
-    measured = probes.iperf3(rates_fabric, "h1", "h2", rail, seconds=3)
-    assert measured == pytest.approx(mbit * 1e6, rel=0.05), f"{rail}: {measured / 1e6:.1f} Mbit/s"
+    assert_rate(probes.iperf3(rates_fabric, "h1", "h2", rail, seconds=3), mbit)
 
 
 def test_per_host_override_is_honoured(rates_fabric):
-    # h3's attachment to r1 is 20 Mbit/s while the rail is 200: both directions obey it
-    to_h3 = probes.iperf3(rates_fabric, "h1", "h3", "r1", seconds=3)
-    assert to_h3 == pytest.approx(20e6, rel=0.05), f"{to_h3 / 1e6:.1f} Mbit/s"
-    from_h3 = probes.iperf3(rates_fabric, "h3", "h2", "r1", seconds=3)
-    assert from_h3 == pytest.approx(20e6, rel=0.05), f"{from_h3 / 1e6:.1f} Mbit/s"
+    # h3's attachment to r1 is 100 Mbit/s while the rail is 200: both directions obey it
+    assert_rate(probes.iperf3(rates_fabric, "h1", "h3", "r1", seconds=3), 100)
+    assert_rate(probes.iperf3(rates_fabric, "h3", "h2", "r1", seconds=3), 100)
+    assert_rate(probes.iperf3(rates_fabric, "h1", "h2", "r1", seconds=3), 200)  # the rail itself
 
 
 def test_status_reads_shaping_back_from_the_kernel(rates_fabric):
     link = rates_fabric.links["h3.r1"]
-    assert link.up_shaper.read_back().rate_bps == pytest.approx(20e6, rel=0.01)
-    assert link.down_shaper.read_back().rate_bps == pytest.approx(20e6, rel=0.01)
+    assert link.up_shaper.read_back().rate_bps == pytest.approx(100e6, rel=0.01)
+    assert link.down_shaper.read_back().rate_bps == pytest.approx(100e6, rel=0.01)
     assert rates_fabric.links["h1.r2"].up_shaper.read_back().rate_bps == pytest.approx(500e6, rel=0.01)
 
 
@@ -114,8 +122,7 @@ def test_runtime_rate_change_is_in_place_and_fast(no_leftovers):
         t_applied = link.update_shape(rate_bps=50_000_000)
         assert t_applied - t0 < 0.05
         assert link.up_shaper.read_back().rate_bps == pytest.approx(50e6, rel=0.01)
-        measured = probes.iperf3(fab, "h1", "h2", "r0", seconds=2)
-        assert measured == pytest.approx(50e6, rel=0.06)
+        assert_rate(probes.iperf3(fab, "h1", "h2", "r0", seconds=2), 50)
 
 
 def test_direct_wiring_reaches_peer_without_switch(no_leftovers):
