@@ -248,8 +248,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
-    if getattr(args, "command", None) and args.command[:1] == ["--"]:
-        args.command = args.command[1:]
+    if getattr(args, "command", None) is not None:
+        if args.command[:1] == ["--run"] and len(args.command) > 1:   # exec HOST --run X -- ...
+            args.run, args.command = args.command[1], args.command[2:]
+        if args.command[:1] == ["--"]:
+            args.command = args.command[1:]
     try:
         return args.func(args)
     except TestbedError as e:

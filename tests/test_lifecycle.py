@@ -2,6 +2,7 @@
 SIGKILL then clean. Afterwards nothing of ours remains and the root namespace is untouched."""
 from __future__ import annotations
 
+import re
 import signal
 import subprocess
 import sys
@@ -24,8 +25,18 @@ def tb(*args, check=True, timeout=120) -> subprocess.CompletedProcess:
     return r
 
 
-def ours() -> list[str]:
-    return [n for n in netns.listing() if state.RUN_NS_RE.match(n)]
+def ours(run_ids=None) -> list[str]:
+    """Our run namespaces (of the given runs only, when named)."""
+    out = []
+    for n in netns.listing():
+        m = state.RUN_NS_RE.match(n)
+        if m and (run_ids is None or m.group(1) in run_ids):
+            out.append(n)
+    return out
+
+
+def state_ids() -> set[str]:
+    return {p.stem for p in state.STATE_DIR.glob("*.json")} if state.STATE_DIR.is_dir() else set()
 
 
 @pytest.fixture
@@ -44,30 +55,39 @@ def big(tmp_path) -> Path:
     return p
 
 
+def run_id_of(up_output: str) -> str:
+    m = re.search(r"run id ([0-9a-f]{4})", up_output)
+    assert m, up_output
+    return m.group(1)
+
+
 def test_up_status_exec_down(small, no_leftovers):
     r = tb("up", str(small))
     assert "is up" in r.stdout
-    st = tb("status")
+    first = run_id_of(r.stdout)
+    st = tb("status", first)
     assert "h1.r1" in st.stdout and "50mbit" in st.stdout and "loss 1%" in st.stdout
-    ex = tb("exec", "h1", "--", "ip", "-o", "-4", "addr", "show", "dev", "r1")
+    ex = tb("exec", "h1", "--run", first, "--", "ip", "-o", "-4", "addr", "show", "dev", "r1")
     assert "198.18.1.1/24" in ex.stdout
-    ping = tb("exec", "h1", "--", "ping", "-c", "1", "-W", "2", "198.18.0.2")
+    ping = tb("exec", "h1", "--run", first, "--", "ping", "-c", "1", "-W", "2", "198.18.0.2")
     assert ping.returncode == 0
-    second = tb("up", str(small))   # a second fabric of the same file coexists
-    assert "is up" in second.stdout
-    amb = tb("down", check=False)
+    second = run_id_of(tb("up", str(small)).stdout)   # a second fabric of the same file coexists
+    amb = tb("down", "small", check=False)
     assert amb.returncode == 1 and "several fabrics" in amb.stderr
-    for rs in state.find("small"):
-        tb("down", rs.run_id)
-    assert not ours()
-    assert tb("status").stdout.strip() == "no fabric is up"
+    tb("down", first)
+    tb("down", second)
+    assert not ours({first, second})
+    status = tb("status").stdout
+    assert first not in status and second not in status
 
 
-def _wait_for_build_start(proc, timeout=20.0) -> None:
+def _wait_for_build_start(proc, before: set, timeout=20.0) -> set:
+    """Wait until the new run has a few namespaces; returns its run id(s)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if len(ours()) >= 3:
-            return
+        new = state_ids() - before
+        if new and len(ours(new)) >= 3:
+            return new
         if proc.poll() is not None:
             raise AssertionError(f"up ended early: {proc.stderr.read()}")
         time.sleep(0.005)
@@ -75,40 +95,42 @@ def _wait_for_build_start(proc, timeout=20.0) -> None:
 
 
 def test_ctrl_c_during_up_removes_everything(big, no_leftovers):
+    before = state_ids()
     proc = subprocess.Popen([sys.executable, "-m", "testbed", "up", str(big)], cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    _wait_for_build_start(proc)
+    new = _wait_for_build_start(proc, before)
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, err
     assert "interrupted" in err
-    assert not ours()
-    assert not list(state.STATE_DIR.glob("*.json")) or all(r.live for r in state.runs())
+    assert not ours(new)
+    assert not (state_ids() & new)            # no stale run-state file either
 
 
 def test_sigkill_during_up_then_clean(big, no_leftovers):
+    before = state_ids()
     proc = subprocess.Popen([sys.executable, "-m", "testbed", "up", str(big)], cwd=ROOT,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    _wait_for_build_start(proc)
+    new = _wait_for_build_start(proc, before)
     proc.kill()
     proc.wait()
-    left = ours()
+    left = ours(new)
     assert left, "a SIGKILLed build should leave prefixed namespaces for clean to find"
-    assert all(n.startswith(state.PREFIX) for n in left)
     r = tb("clean")
-    assert "removed" in r.stdout
-    assert not ours()
-    assert tb("clean").stdout.strip() == "nothing to clean"
+    assert "removed" in r.stdout and left[0] in r.stdout
+    assert not ours(new)
+    assert not (state_ids() & new)
 
 
 def test_validate_refuses_bad_file_and_builds_nothing(tmp_path, no_leftovers):
     bad = tmp_path / "bad.yaml"
     bad.write_text("hosts: 2\nrails: [{name: r0, bandwidth: 100mbit}]\nlinks: {h9.r0: {}}\n")
+    before = state_ids()
     for verb in ("validate", "up", "run"):
         r = tb(verb, str(bad), check=False)
         assert r.returncode == 2, (verb, r.stderr)
         assert "links.h9.r0" in r.stderr
-    assert not ours()
+    assert not ours(state_ids() - before)
 
 
 def test_doctor_reports_features(no_leftovers):
