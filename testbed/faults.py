@@ -86,6 +86,7 @@ class FaultInjector:
         self._thread: Optional[threading.Thread] = None
         self._lock = threading.Lock()
         self._active: dict[int, Fault] = {}
+        self.faults_by_index = {f.index: f for f in faults}
         self.errors: list[str] = []
 
     # ---------------------------------------------------------------- targets
@@ -197,11 +198,17 @@ class FaultInjector:
             if f.action in ("link-down", "flap"):
                 t = max(layer.hold_down(key, f.end) for layer in links)
             elif f.action == "link-up":
+                ended: set[int] = set()
                 for layer in links:   # an explicit link-up ends every down that holds the link
                     for holder in list(layer.down_holders):
                         layer.release(holder)
+                        ended.add(holder)
                 t = max((layer.link.set_state(True, f.end) for layer in links), default=t)
                 self._active.pop(key, None)
+                for holder in ended:  # a link-down without `for` ends here
+                    if holder in self._active and self._active[holder].duration is None:
+                        self._active.pop(holder)
+                        self._record(self.faults_by_index[holder])["t_end"] = t
             elif f.action == "rate":
                 t = max(layer.push_shape(key, {"rate_bps": f.value}) for layer in links)
             elif f.action == "loss":

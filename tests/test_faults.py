@@ -167,3 +167,15 @@ def test_real_fault_cuts_traffic_at_its_time(no_leftovers):
         assert seen_down - inj.t0 == pytest.approx(0.3, abs=0.02)
         assert inj.records[0]["t_applied"] - inj.t0 == pytest.approx(0.3, abs=0.02)
         assert link.host_end.is_up()
+
+
+def test_explicit_link_up_ends_an_open_link_down():
+    fab, inj, snaps = run_schedule("""
+faults:
+  - {at: 0.1s, action: link-down, target: h2.r1}
+  - {at: 0.3s, action: link-up, target: h2.r1}
+""", until=0.5)
+    down, up = inj.records
+    assert down["t_end"] == pytest.approx(up["t_applied"], abs=1e-6)
+    assert at(snaps, 0.2)["h2.r1"][1]["host"] is False
+    assert at(snaps, 0.4)["h2.r1"][1]["host"] is True
