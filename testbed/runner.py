@@ -5,8 +5,6 @@
 from __future__ import annotations
 
 import json
-import os
-import signal
 import sys
 import time
 from dataclasses import dataclass, replace
@@ -15,8 +13,9 @@ from typing import Callable, Optional
 
 from . import measure, metrics as metrics_mod, report, verdict as verdict_mod
 from .capabilities import probe
-from .errors import SpecError, TestbedError
-from .fabric import Fabric, sigterm_as_interrupt
+from .capture import Capture
+from .fabric import sigterm_as_interrupt
+from .mininet_backend import fabric_class
 from .faults import FaultInjector
 from .scenario import Scenario, build as build_scenario
 from .spec import Topology, check_capabilities, load
@@ -65,7 +64,8 @@ def run_topology(topo: Topology, results_dir: Optional[Path] = None,
 
     say(f"== {topo.name}: {len(topo.hosts)} hosts x {len(topo.rails)} rails "
         f"({', '.join(f'{r.name} {r.shape.describe()}' for r in topo.rails)}); results in {out}")
-    fabric = Fabric(topo, caps, progress=lambda m: say(f"   build: {m}"))
+    fabric = fabric_class(topo)(topo, caps, progress=lambda m: say(f"   build: {m}"))
+    capture: Optional[Capture] = None
     guard = sigterm_as_interrupt()
     guard.__enter__()
     injector: Optional[FaultInjector] = None
@@ -73,6 +73,9 @@ def run_topology(topo: Topology, results_dir: Optional[Path] = None,
     try:
         fabric.build()
         say(f"   fabric up in {fabric.build_seconds * 1000:.0f} ms (run id {fabric.state.run_id})")
+        if scenario.capture:
+            capture = Capture(fabric, out / "pcap", max_mb=scenario.capture_mb).start()
+            say(f"   capturing every rail to {out / 'pcap'} (cap {scenario.capture_mb} MB each)")
         sampler = measure.Sampler(fabric)
         runner = WorkloadRunner(fabric, scenario.workload, ranks_dir) if scenario.workload \
             else None
@@ -97,6 +100,9 @@ def run_topology(topo: Topology, results_dir: Optional[Path] = None,
         injector.stop()
         samples = sampler.stop()
         sampler = None
+        if capture is not None:
+            capture.stop()
+            capture = None
         t_end = time.monotonic()
         say(f"   workload done in {t_end - t0:.1f} s; computing metrics")
 
@@ -138,6 +144,8 @@ def run_topology(topo: Topology, results_dir: Optional[Path] = None,
             injector.stop()
         if sampler is not None:
             sampler.stop()
+        if capture is not None:
+            capture.stop()
         t = fabric.teardown()
         say(f"   fabric torn down in {t * 1000:.0f} ms")
         guard.__exit__(None, None, None)
@@ -148,10 +156,7 @@ def run_file(path, results_dir=None, backend: Optional[str] = None,
     topo = load(path)
     if backend and backend != topo.backend:
         topo = replace(topo, backend=backend)
-    if topo.backend != "pyroute2":
-        raise SpecError("backend", f"{topo.backend!r} is not available yet",
-                        "backend: pyroute2")
     if capture:
-        raise SpecError("--capture", "captures are not available yet", "no --capture")
+        topo = replace(topo, sections={**topo.sections, "capture": True})
     outcome = run_topology(topo, Path(results_dir) if results_dir else None)
     return outcome.exit_code
