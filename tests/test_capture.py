@@ -21,9 +21,9 @@ from testbed.pcap_report import analyse, format_report
 
 REPO = Path(__file__).resolve().parent.parent
 
-# One rank: NEZHA_* from the environment (as testbed/workload.py sets them), ITERS allreduces of
+# Fallback rank when nezha/worker.py is absent: NEZHA_* from the environment, ITERS allreduces of
 # SIZE bytes of float64 with exactly representable values; one JSON line per iteration with the
-# check and Nezha's cumulative per-rail counters. Used until nezha/worker.py exists.
+# check and Nezha's cumulative per-rail counters.
 RANK = r"""
 import json, sys, numpy as np
 from nezha.context import Context
@@ -53,19 +53,32 @@ def rank_env(fab, host: str, rank: int, world: int, port: int, events: Path) -> 
     return env
 
 
-def run_allreduce(fab, out: Path, size: int, iters: int, port: int = 29611) -> list[list[dict]]:
+def run_allreduce(fab, out: Path, size: int, iters: int, port: int = 29611) -> list[dict]:
+    """Launch one rank per host like testbed/workload.py (``python -m nezha.worker`` with NEZHA_*
+    in the environment, inside the host via Host.popen); returns each rank's summary record
+    (``rail_bytes``: bytes Nezha sent per rail index) after checking every iteration is exact."""
+    worker = (REPO / "nezha" / "worker.py").exists()
     procs = []
     for rank, h in enumerate(fab.topo.hosts):
         env = rank_env(fab, h, rank, len(fab.topo.hosts), port, out / f"{h}.events.jsonl")
-        procs.append(fab.hosts[h].popen([sys.executable, "-c", RANK, str(size), str(iters)],
-                                        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                        text=True, cwd=REPO))
-    results = []
-    for p in procs:
+        res = out / f"{h}.results.jsonl"
+        env["NEZHA_RESULTS"] = str(res)
+        argv = [sys.executable, "-m", "nezha.worker", "--size", str(size), "--iterations",
+                str(iters), "--dtype", "float64"] if worker else \
+            [sys.executable, "-c", RANK, str(size), str(iters)]
+        procs.append((res, fab.hosts[h].popen(argv, env=env, stdout=subprocess.PIPE,
+                                              stderr=subprocess.PIPE, text=True, cwd=REPO)))
+    summaries = []
+    for res, p in procs:
         o, e = p.communicate(timeout=120)
         assert p.returncode == 0, e[-2000:]
-        results.append([json.loads(l) for l in o.splitlines() if l.startswith("{")])
-    return results
+        lines = o.splitlines() if not worker else res.read_text().splitlines()
+        recs = [json.loads(l) for l in lines if l.startswith("{")]
+        iters_ = [r for r in recs if "iter" in r]
+        assert len(iters_) == iters and all(r["ok"] for r in iters_), "allreduce result wrong"
+        summary = [r for r in recs if r.get("summary")]
+        summaries.append(summary[-1] if summary else iters_[-1])   # inline rank: cumulative
+    return summaries
 
 
 # ------------------------------------------------------------------ the layer, offline
@@ -102,9 +115,6 @@ def test_reassembler_spans_segments_and_counts_retransmits():
 
 
 # ------------------------------------------------------------------ on a real fabric
-pytestmark_netns = pytest.mark.netns
-
-
 @pytest.mark.netns
 def test_split_from_pcap_matches_nezha_and_kernel(tmp_path):
     topo = spec.loads("name: cap\nhosts: 2\nrails: [{name: r0, bandwidth: 200mbit}, "
@@ -119,12 +129,11 @@ def test_split_from_pcap_matches_nezha_and_kernel(tmp_path):
     assert sorted(f["file"] for f in manifest["files"]) == \
         ["h1.r0.pcap", "h1.r1.pcap", "h2.r0.pcap", "h2.r1.pcap"]
     assert not any(f.get("truncated") or f.get("kernel_dropped") for f in manifest["files"])
-    assert all(r["ok"] for rank in results for r in rank), "allreduce result wrong"
 
     rep = analyse(tmp_path)
     print(format_report(rep))
     # 1. Nezha's own counters: bytes sent per rail, summed over ranks == DATA bytes on the wire
-    nezha_rail = {r: sum(rank[-1]["rail_bytes"][str(i)] for rank in results)
+    nezha_rail = {r: sum(rank["rail_bytes"][str(i)] for rank in results)
                   for i, r in enumerate(("r0", "r1"))}
     for r in ("r0", "r1"):
         assert rep["rails"][r]["data_bytes"] == pytest.approx(nezha_rail[r], rel=0.02), r
@@ -135,7 +144,7 @@ def test_split_from_pcap_matches_nezha_and_kernel(tmp_path):
     for i, h in enumerate(("h1", "h2")):
         for j, r in enumerate(("r0", "r1")):
             assert rep["sent_by_host"][h].get(r, 0) == pytest.approx(
-                results[i][-1]["rail_bytes"][str(j)], rel=0.02)
+                results[i]["rail_bytes"][str(j)], rel=0.02)
     # 2. the kernel: bytes leaving each host's rail interface == captured outgoing wire bytes
     kern = {r: sum(after[f"{h}.{r}"]["tx_bytes"] - before[f"{h}.{r}"]["tx_bytes"]
                    for h in ("h1", "h2")) for r in ("r0", "r1")}

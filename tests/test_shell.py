@@ -34,10 +34,12 @@ def no_leftovers():
     process owns (a colleague's test session) are not ours and do not count."""
     before_ns, before_root = set(netns.listing()), _root_snapshot()
     yield
+    after_ns = set(netns.listing())   # first: a run's state file is written before, and
+    # removed after, its namespaces, so every namespace listed here has its file still
     foreign = {ns for r in state.runs() if r.owner_alive and r.pid != os.getpid()
                for ns in r.namespaces}
     run_ns = re.compile(re.escape(state.PREFIX) + r"[0-9a-f]{4}-")
-    ours = [n for n in set(netns.listing()) - before_ns - foreign if run_ns.match(n)]
+    ours = [n for n in after_ns - before_ns - foreign if run_ns.match(n)]
     assert not ours, f"namespaces left behind: {ours}"
     assert _root_snapshot() == before_root, "the root namespace changed"
 
