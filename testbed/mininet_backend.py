@@ -41,8 +41,6 @@ import ctypes
 import logging
 import os
 import subprocess
-from pathlib import Path
-from typing import Optional
 
 from . import netns
 from .errors import FabricError

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import platform
 import subprocess
 import sys
@@ -288,5 +287,5 @@ def summary_table(metrics: dict, verdict: Verdict) -> str:
     n_fail = sum(1 for r in verdict.rows if not r.ok)
     out.append("")
     out.append(f"expectations: {len(verdict.rows) - n_fail}/{len(verdict.rows)} hold"
-               + ("" if verdict.passed else f" — FAIL"))
+               + ("" if verdict.passed else " — FAIL"))
     return "\n".join(out)

@@ -5,7 +5,7 @@ before the first namespace exists, not a crash a minute into a run.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Optional
 
 from .errors import SpecError

@@ -27,8 +27,8 @@ from dataclasses import replace
 from typing import IO, Callable, Optional
 
 from .errors import SpecError, TestbedError
-from .fabric import Fabric, Host, Link, Rail
-from .units import format_rate, parse_percent, parse_rate
+from .fabric import Fabric, Link, Rail
+from .units import parse_percent, parse_rate
 
 ENDS = ("host", "switch", "both")
 

@@ -322,7 +322,8 @@ def loads(text: str, source: Optional[str] = None, default_name: str = "topology
     return parse(doc, source=source, default_name=default_name)
 
 
-def check_capabilities(topo: Topology, caps: "Capabilities") -> None:  # noqa: F821
+def check_capabilities(topo: Topology, caps) -> None:
+    # caps: testbed.capabilities.Capabilities (not imported: spec stays free of kernel code)
     """Refuse, before building, any shaping this kernel cannot apply honestly."""
     if not caps.netem:
         for link in topo.links.values():

@@ -3,7 +3,6 @@ available they are skipped with the reason shown (CI runs as root, so there they
 from __future__ import annotations
 
 import os
-import re
 import subprocess
 
 import pytest
@@ -40,11 +39,15 @@ def root_snapshot() -> dict:
 
 @pytest.fixture
 def no_leftovers():
-    """Asserts that a test leaves no namespace of ours and an unchanged root namespace."""
+    """Asserts that a test leaves no namespace of ours and an unchanged root namespace.
+    Namespaces of runs that another live process owns (a concurrent test session on a shared
+    machine) are not this test's and do not count."""
     before_ns = set(netns.listing())
     before_root = root_snapshot()
     yield
-    run_ns = re.compile(re.escape(state.PREFIX) + r"[0-9a-f]{4}-")
-    ours = [n for n in set(netns.listing()) - before_ns if run_ns.match(n)]
+    after_ns = set(netns.listing())   # first: a run's state file outlives its namespaces
+    foreign = {ns for r in state.runs() if r.owner_alive and r.pid != os.getpid()
+               for ns in r.namespaces}
+    ours = [n for n in after_ns - before_ns - foreign if state.RUN_NS_RE.match(n)]
     assert not ours, f"namespaces left behind: {ours}"
     assert root_snapshot() == before_root, "the root namespace changed"

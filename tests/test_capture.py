@@ -4,16 +4,14 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from nezha import wire
-from testbed import netns, spec, state
+from testbed import spec
 from testbed.capture import Capture
 from testbed.dissect import Nezha, Reassembler, Segment, frame
 from testbed.fabric import Fabric

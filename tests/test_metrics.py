@@ -3,7 +3,6 @@ on a real fabric: a shaped rail measures its rate, a link set down shows up in t
 time it was set down."""
 from __future__ import annotations
 
-import math
 import random
 import subprocess
 import sys

@@ -3,7 +3,6 @@ read-back shaping; link faults cut one rail only; nothing is left behind."""
 from __future__ import annotations
 
 import os
-import subprocess
 import re
 import time
 
@@ -14,29 +13,6 @@ from testbed.fabric import Fabric
 from testbed.mininet_backend import MininetFabric, fabric_class
 
 pytestmark = pytest.mark.netns
-
-
-def _root_snapshot() -> dict:
-    def out(*argv):
-        return subprocess.run(argv, capture_output=True, text=True, check=True).stdout
-    return {"links": sorted(l.split()[1] for l in out("ip", "-o", "link").splitlines()),
-            "addrs": out("ip", "-o", "addr"), "routes": out("ip", "route")}
-
-
-@pytest.fixture
-def no_leftovers():
-    """conftest's check, made safe on a shared machine: namespaces of runs that another live
-    process owns (a colleague's test session) are not ours and do not count."""
-    before_ns, before_root = set(netns.listing()), _root_snapshot()
-    yield
-    after_ns = set(netns.listing())   # first: a run's state file is written before, and
-    # removed after, its namespaces, so every namespace listed here has its file still
-    foreign = {ns for r in state.runs() if r.owner_alive and r.pid != os.getpid()
-               for ns in r.namespaces}
-    run_ns = re.compile(re.escape(state.PREFIX) + r"[0-9a-f]{4}-")
-    ours = [n for n in after_ns - before_ns - foreign if run_ns.match(n)]
-    assert not ours, f"namespaces left behind: {ours}"
-    assert _root_snapshot() == before_root, "the root namespace changed"
 
 
 TOPO = """
