@@ -11,7 +11,7 @@ Estimates:
     ``B_MIN_BYTES`` it times first header arrival -> last byte in, and keeps the median of
     the last samples. Receiver-side timing is immune to ACK queueing behind bulk data.
   * a_r (start-up seconds) is measured by the *sender* from small messages: send start ->
-    ACK. Until measured it is the nominal ``A_NOMINAL``.
+    ACK (minus s*b_r), median of the last samples. Until measured it is ``A_NOMINAL``.
 
 Agreement (why all ranks split identically): every rank's local table ``[a, b, n]`` per rail
 is exchanged with a tiny allgather (collective kind CONTROL) at deterministic points (see
@@ -122,11 +122,13 @@ class RailEstimator:
         self.a_samples = 0
         self.alpha = alpha
         self.b_window: deque = deque(maxlen=window)
+        self.a_window: deque = deque(maxlen=window)
 
     def record_a(self, seconds: float):
         if seconds <= 0:
             return
-        self.a = seconds if self.a_samples == 0 else (1 - self.alpha) * self.a + self.alpha * seconds
+        self.a_window.append(seconds)
+        self.a = float(np.median(self.a_window))
         self.a_samples += 1
 
     def record_b(self, nbytes: int, seconds: float):

@@ -307,8 +307,8 @@ class Engine:
 
     def data_target(self, conn, h, now):
         with self.cond:
-            if self.closing:
-                return None
+            if self.closing or self.error is not None:
+                return None      # failed already: drain quietly so our ABORT gets out
             key = (h.op_id, h.step, h.src)
             slot = self.slots.get(key)
             if slot is None:
@@ -351,7 +351,7 @@ class Engine:
         now = time.monotonic()
         err = None
         with self.cond:
-            if self.closing:
+            if self.closing or self.error is not None:
                 return
             key = (h.op_id, h.step, h.src)
             slot = self.slots.get(key)

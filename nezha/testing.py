@@ -14,6 +14,19 @@ import traceback
 
 
 def free_port() -> int:
+    """A free TCP port below the kernel's ephemeral range (so that no outgoing connection
+    grabs it between this call and the bind)."""
+    import random
+    for _ in range(200):
+        p = random.randint(20000, 32000)
+        s = socket.socket()
+        try:
+            s.bind(("0.0.0.0", p))
+            return p
+        except OSError:
+            continue
+        finally:
+            s.close()
     s = socket.socket()
     s.bind(("127.0.0.1", 0))
     p = s.getsockname()[1]
