@@ -258,8 +258,7 @@ class Fabric:
         """Namespaces, rail bridges and veths (a backend overrides this step only)."""
         topo = self.topo
         for h in topo.hosts:
-            ns = self._namespace(h)
-            _sysctl(ns, {"net.ipv4.conf.all.rp_filter": "0", "net.ipv4.conf.default.rp_filter": "0"})
+            self._namespace(h)
             self.progress(f"host {h}")
         if topo.wiring == "switch":
             for rail in topo.rails:
@@ -285,8 +284,8 @@ class Fabric:
         topo = self.topo
         self._bind()
         for link in self._cables():
-            link.up_shaper.apply(link.shape)
-            link.down_shaper.apply(link.shape)
+            link.up_shaper.apply(link.shape, new_link=True)
+            link.down_shaper.apply(link.shape, new_link=True)
         for link in self.links.values():
             spec_link = topo.link(link.host, link.rail)
             for end in (link.host_end, link.peer_end):
@@ -396,12 +395,6 @@ class Fabric:
                 "hosts": {h.name: {"namespace": h.ns, "addresses": h.addresses}
                           for h in self.hosts.values()},
                 "links": [l.describe() for l in self.links.values()]}
-
-
-def _sysctl(ns: str, values: dict[str, str]) -> None:
-    """Per-namespace sysctls: /proc/sys/net is per namespace, so write it from inside."""
-    script = ";".join(f"echo {v} > /proc/sys/{k.replace('.', '/')}" for k, v in values.items())
-    netns.run(ns, ["sh", "-c", script])
 
 
 @contextmanager
