@@ -44,7 +44,7 @@ import subprocess
 
 from . import netns
 from .errors import FabricError
-from .fabric import BRIDGE, Fabric, _sysctl
+from .fabric import BRIDGE, Fabric
 from .spec import Topology
 
 log = logging.getLogger(__name__)
@@ -151,9 +151,7 @@ class MininetFabric(Fabric):
         for h in topo.hosts:
             node = net.addHost(h, ip=None, inNamespace=True)
             self.nodes[h] = node
-            ns = self._name(h, node)
-            _sysctl(ns, {"net.ipv4.conf.all.rp_filter": "0",
-                         "net.ipv4.conf.default.rp_filter": "0"})
+            self._name(h, node)
             self.progress(f"host {h} (mininet pid {node.pid})")
         if topo.wiring == "switch":
             for i, rail in enumerate(topo.rails):

@@ -1,0 +1,145 @@
+"""`run` end to end on real namespaces, on both backends: verdicts, metrics, results folder.
+A run whose expectation cannot hold must exit 1 and say which one, with the measured value."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from testbed import spec
+from testbed.runner import run_topology
+
+pytestmark = pytest.mark.netns
+ROOT = Path(__file__).resolve().parent.parent
+BACKENDS = ["pyroute2", "mininet"]
+
+EQUAL = """
+name: e2e-equal
+backend: {backend}
+hosts: 3
+rails:
+  - {{name: r0, bandwidth: 200mbit}}
+  - {{name: r1, bandwidth: 200mbit}}
+workload: {{kind: allreduce, size: 8MiB, iterations: 5}}
+expect:
+  wrong_results: 0
+  iterations_lost: 0
+  iterations: 5
+  rail_share.r0: {{min: 0.35, max: 0.65}}
+"""
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_equal_rails_pass_with_exact_results_and_both_rails_used(backend, tmp_path, no_leftovers):
+    out = run_topology(spec.loads(EQUAL.format(backend=backend)), tmp_path / "r", say=lambda m: None)
+    assert out.passed, out.verdict.failures
+    m = out.metrics
+    assert m["wrong_results"] == 0 and m["iterations"] == 5
+    assert 0.35 <= m["rail_share.r0"] <= 0.65 and 0.35 <= m["rail_share.r1"] <= 0.65
+    # both rails carry work, and together more than one rail could
+    assert m["busbw_mbps"] > 200 * 0.956
+    for name in ("results.json", "samples.csv", "timeline.jsonl", "throughput.png",
+                 "latency.png", "topology.resolved.yaml"):
+        assert (tmp_path / "r" / name).stat().st_size > 0, name
+    results = json.loads((tmp_path / "r" / "results.json").read_text())
+    assert results["verdict"]["passed"] is True
+
+
+def test_failing_expectation_exits_1_and_names_it(tmp_path, no_leftovers):
+    topo = tmp_path / "impossible.yaml"
+    topo.write_text("""
+name: impossible
+hosts: 2
+rails: [{name: r0, bandwidth: 50mbit}, {name: r1, bandwidth: 50mbit}]
+workload: {kind: allreduce, size: 1MiB, iterations: 3}
+expect:
+  wrong_results: 0
+  busbw_mbps: {min: 5000}
+""")
+    r = subprocess.run([sys.executable, "-m", "testbed", "run", str(topo), "--results",
+                        str(tmp_path / "res")], capture_output=True, text=True, cwd=ROOT,
+                       timeout=300)
+    assert r.returncode == 1, r.stdout + r.stderr
+    line = [l for l in r.stdout.splitlines() if l.startswith("busbw_mbps")][0]
+    assert "FAIL" in line and ">= 5000" in line and "Mbit/s" in line
+    assert "verdict: FAIL" in r.stdout
+    assert [l for l in r.stdout.splitlines() if l.startswith("wrong_results")][0].endswith("PASS")
+
+
+def test_a_degraded_rail_is_reported_as_such(tmp_path, no_leftovers):
+    """A rail collapsed to 2 % of its rate for most of the run: the bus bandwidth the run reports
+    falls accordingly, and an expectation written for healthy rails fails."""
+    healthy = """
+name: healthy
+hosts: 2
+rails: [{name: r0, bandwidth: 100mbit}, {name: r1, bandwidth: 100mbit}]
+workload: {kind: allreduce, size: 2MiB, duration: 5s}
+expect: {wrong_results: 0, busbw_vs_rail_sum: {min: 0.6}}
+"""
+    degraded = healthy.replace("name: healthy", "name: degraded") + \
+        "faults: [{at: 0s, action: rate, target: r1, value: 2mbit, for: 10s},\n" \
+        "         {at: 0s, action: rate, target: r0, value: 2mbit, for: 10s}]\n"
+    ok = run_topology(spec.loads(healthy), tmp_path / "ok", say=lambda m: None)
+    bad = run_topology(spec.loads(degraded), tmp_path / "bad", say=lambda m: None)
+    assert ok.passed, ok.verdict.failures
+    assert not bad.passed
+    assert any("busbw_vs_rail_sum" in f for f in bad.verdict.failures)
+    assert bad.metrics["busbw_mbps"] < ok.metrics["busbw_mbps"] / 5
+    assert bad.metrics["wrong_results"] == 0
+
+
+def test_killed_rank_fails_the_others_cleanly(tmp_path, no_leftovers):
+    topo = spec.loads("""
+name: kill
+hosts: 3
+rails: [{name: r0, bandwidth: 100mbit}, {name: r1, bandwidth: 100mbit}]
+workload: {kind: allreduce, size: 1MiB, duration: 30s, timeout: 40s}
+faults: [{at: 2s, action: kill, target: h3}]
+expect: {wrong_results: 0}
+""")
+    out = run_topology(topo, tmp_path / "k", say=lambda m: None)
+    ranks = json.loads((tmp_path / "k" / "ranks.json").read_text())
+    killed = [r for r in ranks if r["killed"]]
+    others = [r for r in ranks if not r["killed"]]
+    assert [r["host"] for r in killed] == ["h3"]
+    # every surviving rank noticed and exited with an error of its own, long before 30 s
+    assert all(r["exit_code"] not in (0, None) for r in others), others
+    assert out.metrics["rank_errors"] == 2
+    assert out.metrics["wrong_results"] == 0
+    assert out.metrics["iterations_lost"] >= 1 or out.metrics["iterations"] >= 1
+
+
+def test_command_workload_gets_rails_and_rendezvous(tmp_path, no_leftovers):
+    topo = spec.loads("""
+name: cmd
+hosts: 2
+rails: [{name: r0}, {name: r1}]
+workload:
+  kind: command
+  command: 'test "$NEZHA_WORLD_SIZE" = 2 && test -n "$NEZHA_RAILS" && ping -c1 -W2 -I r1 198.18.1.$((2 - NEZHA_RANK)) >/dev/null && echo "ok $NEZHA_RANK $NEZHA_RAILS"'
+expect: {rank_errors: 0}
+""")
+    out = run_topology(topo, tmp_path / "c", say=lambda m: None)
+    assert out.passed, out.verdict.failures
+    logs = sorted((tmp_path / "c" / "ranks").glob("*.log"))
+    texts = [p.read_text() for p in logs]
+    assert "ok 0 198.18.0.1,198.18.1.1" in texts[0] and "ok 1 198.18.0.2,198.18.1.2" in texts[1]
+
+
+def test_compare_runs_every_system_on_the_same_fabric(tmp_path, no_leftovers):
+    topo = spec.loads("""
+name: cmp
+hosts: 2
+rails: [{name: r0, bandwidth: 100mbit}, {name: r1, bandwidth: 100mbit}]
+workload: {kind: compare, sizes: [64KiB, 2MiB], systems: [nezha, single], iterations: 3}
+expect: {wrong_results: 0}
+""")
+    out = run_topology(topo, tmp_path / "cmp", say=lambda m: None)
+    assert out.passed, out.verdict.failures
+    by = out.metrics["detail"]["busbw_by_system"]
+    assert set(by) == {"nezha", "single"}
+    assert (tmp_path / "cmp" / "busbw.png").stat().st_size > 5000
+    assert out.metrics["busbw_vs_single_rail"] is not None
