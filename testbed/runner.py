@@ -53,7 +53,12 @@ def default_results_dir(topo: Topology) -> Path:
 
 
 def run_topology(topo: Topology, results_dir: Optional[Path] = None,
-                 say: Callable[[str], None] = _say) -> RunOutcome:
+                 say: Callable[[str], None] = _say,
+                 show: Optional[Callable[[str], None]] = None) -> RunOutcome:
+    """Run one topology end to end. ``say``: progress lines (stderr by default); ``show``: the
+    summary table and verdict (stdout by default; silent when ``say`` is silenced)."""
+    if show is None:
+        show = print if say is _say else say
     scenario = build_scenario(topo)
     caps = probe()
     check_capabilities(topo, caps)
@@ -126,7 +131,7 @@ def run_topology(topo: Topology, results_dir: Optional[Path] = None,
                      scenario.workload.kind in ("compare", "sweep") else None)
         (out / "ranks.json").write_text(json.dumps(ranks, indent=1))
         say("")
-        print(report.summary_table(m, v))
+        show(report.summary_table(m, v))
         for r in ranks:
             if r["error"] and not r["killed"]:
                 say(f"   rank {r['rank']} on {r['host']} exited {r['exit_code']}: {r['error']}")
@@ -134,7 +139,7 @@ def run_topology(topo: Topology, results_dir: Optional[Path] = None,
             say(f"   {e}")
         passed = v.passed and not injector.errors
         code = 0 if passed else 1
-        print(f"verdict: {'PASS' if passed else 'FAIL'}"
+        show(f"verdict: {'PASS' if passed else 'FAIL'}"
               + (f" ({len(pending)} expectation(s) pending: {next(iter(pending.values()))})"
                  if pending else "")
               + f" — results in {out}")
