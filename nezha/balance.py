@@ -8,8 +8,9 @@ All used rails should finish together::
 
 Estimates:
   * b_r (seconds per byte) is measured by the *receiver*: for every rail share of at least
-    ``B_MIN_BYTES`` it times first header arrival -> last byte in, and keeps the median of
-    the last samples. Receiver-side timing is immune to ACK queueing behind bulk data.
+    ``B_MIN_BYTES`` it times first header arrival -> last byte in; the estimate is total
+    time / total bytes over the last samples without the extreme two. Receiver-side timing
+    is immune to ACK queueing behind bulk data.
   * a_r (start-up seconds) is measured by the *sender* from small messages: send start ->
     ACK (minus s*b_r), median of the last samples. Until measured it is ``A_NOMINAL``.
 
@@ -30,8 +31,9 @@ Cold/hot state machine for the current set of live rails::
 COLD split: messages < COLD_SMALL bytes ride the single best rail (lowest agreed a), larger
 ones are split in equal shares. HOT split: the cost model above; messages below MIN_SPLIT
 bytes ride the best rail, and a rail is added only if it saves more than PER_RAIL_OVERHEAD
-seconds (CPU cost of driving one more rail). In HOT the model in use changes only when the
-shares it gives for a 16 MiB message move by more than HYSTERESIS (hysteresis).
+seconds (CPU cost of driving one more rail). In HOT each agreed table moves the model in use
+half way towards it (smoothing), and only when that changes the shares of a 16 MiB message by
+more than HYSTERESIS (hysteresis).
 """
 from __future__ import annotations
 
@@ -133,11 +135,18 @@ class RailEstimator:
 
     def record_b(self, nbytes: int, seconds: float):
         if nbytes >= B_MIN_BYTES and seconds > 0:
-            self.b_window.append(seconds / nbytes)
+            self.b_window.append((nbytes, seconds))
 
     @property
     def b(self) -> float:
-        return float(np.median(self.b_window)) if self.b_window else float("nan")
+        """Seconds per byte over the window, as total time / total bytes after dropping the
+        fastest and slowest sample (large shares weigh more, single outliers do not)."""
+        if not self.b_window:
+            return float("nan")
+        w = sorted(self.b_window, key=lambda x: x[1] / x[0])
+        if len(w) >= 4:
+            w = w[1:-1]
+        return sum(t for _, t in w) / sum(n for n, _ in w)
 
     def reset(self):
         self.b_window.clear()
@@ -196,10 +205,13 @@ class RailState:
             drift = [r for r in live if abs(b[r] - self.used_b[r]) / self.used_b[r] > DRIFT_TOL]
             if drift:
                 return evs + self._enter_cold(f"rate drift on rails {drift}")
+            # smooth: move half way towards the new estimates, then apply with hysteresis
+            sa = [(x + y) / 2 for x, y in zip(self.used_a, a)]
+            sb = [(x + y) / 2 if r in live else y for r, (x, y) in enumerate(zip(self.used_b, b))]
             old = self.shares(REF_SIZE)
-            new = self._model_shares(REF_SIZE, a, b)
+            new = self._model_shares(REF_SIZE, sa, sb)
             if max(abs(x - y) for x, y in zip(old, new)) > HYSTERESIS:
-                self.used_a, self.used_b = list(a), list(b)
+                self.used_a, self.used_b = sa, sb
                 evs.append(("weights", self.weights_fields()))
         return evs
 

@@ -130,7 +130,8 @@ class Context:
                                          self.rail_addrs, sockbuf=sockbuf or _int_env("NEZHA_SOCKBUF"),
                                          user_timeout_ms=_int_env("NEZHA_TCP_USER_TIMEOUT_MS"))
         self.nrails = self._transport.nrails
-        self.events = Events(self.rank, self.nrails, events, log_ops)
+        self.events = Events(self.rank, self.nrails, events,
+                             log_ops or _env("NEZHA_LOG_OPS", "0") == "1")
         self.balancer = Balancer(self.nrails, mode, chunk_bytes)
         self._engine = Engine(self.rank, self.world_size, self.nrails, self.balancer,
                               self.events, self.timeout)
@@ -334,6 +335,8 @@ class Context:
 
     def _run(self, kind_name, nbytes, fn):
         with self._lock:
+            if self.events.log_ops:
+                self.events.emit("call", kind=kind_name, bytes=nbytes)
             self._maybe_exchange(nbytes)
             eng = self._engine
             op_id = eng.begin_op()

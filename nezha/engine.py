@@ -22,11 +22,12 @@ from .errors import (AllRailsDownError, CommError, CommTimeout, MismatchError, P
 
 A_SAMPLE_MAX = 64 << 10
 OP_WINDOW = 64
+_DEBUG_SAMPLES = bool(__import__('os').environ.get('NEZHA_DEBUG_SAMPLES'))
 
 
 class RecvSlot:
     __slots__ = ("key", "view", "total", "kind", "dtype", "redop", "op_total", "aux", "done",
-                 "got", "frames", "first", "last", "rbytes", "writers", "complete")
+                 "got", "frames", "first", "last", "rbytes", "writers", "complete", "t_post")
 
     def __init__(self, key, view, kind, dtype, redop, op_total, aux):
         self.key = key
@@ -41,6 +42,7 @@ class RecvSlot:
         self.rbytes: dict[int, int] = {}
         self.writers = 0
         self.complete = False
+        self.t_post = time.monotonic()
 
 
 class SendChunk:
@@ -212,6 +214,9 @@ class Engine:
             slot.complete = True
             for rr, nb in slot.rbytes.items():
                 self.balancer.record_b(rr, nb, slot.last[rr] - slot.first[rr])
+                if _DEBUG_SAMPLES:
+                    self.events.emit("b_sample", rail=rr, bytes=nb, seconds=slot.last[rr] - slot.first[rr],
+                                     since_post=slot.last[rr] - slot.t_post, op=slot.key[0], step=slot.key[1])
             self.cond.notify_all()
 
     def send(self, dst, op_id, step, view, kind, dtype, redop, op_total, aux=0, elem=1) -> SendMsg:
