@@ -97,6 +97,7 @@ class WorkloadRunner:
         self.hosts = list(workload.hosts or fabric.topo.hosts)
         self.current: list[RankProcess] = []
         self._port = BASE_PORT
+        self._mptcp_ready = False
 
     def env_for(self, host: str, rank: int, port: int, phase: Phase, events: Path,
                 results: Path) -> dict:
@@ -128,7 +129,23 @@ class WorkloadRunner:
             argv += ["--duration", str(phase.duration)]
         return argv
 
+    def _prepare_mptcp(self) -> None:
+        """MPTCP's path manager is per namespace: every rail but the first becomes a
+        ``signal subflow`` endpoint on every host (once per run). Measured here: ``signal``
+        alone never opened the second subflow (all traffic stayed on r0); with ``subflow``
+        both rails carry it."""
+        if self._mptcp_ready:
+            return
+        from nezha.transport.mptcp import configure_mptcp_endpoints
+        topo = self.fabric.topo
+        for host in self.hosts:
+            configure_mptcp_endpoints([(topo.address(host, r.name), r.name) for r in topo.rails],
+                                      netns=self.fabric.hosts[host].ns, flags="signal subflow")
+        self._mptcp_ready = True
+
     def launch(self, phase: Phase, index: int) -> list[RankProcess]:
+        if phase.system == "mptcp":
+            self._prepare_mptcp()
         self._port += 1
         procs = []
         for rank, host in enumerate(self.hosts):
