@@ -174,6 +174,9 @@ def inject(rank, world, port, what, victim=0, attacker=1, nrails=1, timeout=5.0)
                 ctx._debug_kill_rail(victim, 0)
         a = np.ones(1024, dtype=np.float32)
         ctx.allreduce(a)
+        # a rank whose part of that allreduce was already done may legitimately return from
+        # it (with the right result); it must fail at its next collective
+        ctx.barrier()
         return a[:4].tolist()
 
 

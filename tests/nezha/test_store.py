@@ -25,10 +25,12 @@ def test_set_get_add_wait(store):
     assert c.get("k") == "v"
     assert c.add("n", 2) == 2 and c.add("n", 3) == 5
     assert c.check(["k", "n"]) and not c.check(["k", "nope"])
-    threading.Timer(0.2, lambda: StoreClient("127.0.0.1", srv.port).set("late", "x")).start()
+    t = threading.Timer(0.2, lambda: StoreClient("127.0.0.1", srv.port).set("late", "x"))
+    t.start()
     t0 = time.monotonic()
     assert c.get("late", timeout=3) == "x"
     assert 0.1 < time.monotonic() - t0 < 2.0
+    t.join()
 
 
 def test_wait_times_out(store):
@@ -41,9 +43,11 @@ def test_wait_times_out(store):
 
 def test_abort_wakes_waiters(store):
     srv, c = store
-    threading.Timer(0.2, lambda: StoreClient("127.0.0.1", srv.port).abort("boom")).start()
+    t = threading.Timer(0.2, lambda: StoreClient("127.0.0.1", srv.port).abort("boom"))
+    t.start()
     with pytest.raises(errors.RendezvousAborted, match="boom"):
         c.wait(["never"], timeout=5)
+    t.join()
 
 
 def test_unreachable_store_fails_within_timeout():
