@@ -121,6 +121,7 @@ class Context:
         if self.system == "single":
             self.rail_addrs = self.rail_addrs[:1]
         self._closed = False
+        self._health = None
         self._server = None
         self._store = None
         self._transport = None
@@ -286,12 +287,83 @@ class Context:
                 s.close()
             raise RendezvousError(f"rank {self.rank}: no connection from (rank, rail) {missing} "
                                   f"within {self.timeout:g} s {errors or ''}")
-        tr.close()   # listeners are no longer needed
         eng = self._engine
         for (p, r), s in socks.items():
             eng.conns[(p, r)] = Connection(s, p, r, eng)
         for c in eng.conns.values():
             c.start()
+        self._infos, self._session = infos, session
+        # listeners stay open: a failed rail's higher rank reconnects through them
+        for r, ls in enumerate(tr.listeners):
+            threading.Thread(target=self._rejoin_acceptor, args=(r, ls), daemon=True,
+                             name=f"nz-accept-r{r}").start()
+        from .health import Health
+        self._health = Health(self)
+        self._health.start()
+
+    def _read_hello(self, s, timeout):
+        s.settimeout(timeout)
+        hb = bytearray(wire.HEADER_SIZE)
+        if not recv_exact_into(s, memoryview(hb), "hello"):
+            raise ConnectionError("closed before HELLO")
+        h = wire.unpack(hb)
+        if h.type != wire.HELLO:
+            raise ConnectionError("first frame is not HELLO")
+        body = bytearray(h.length)
+        recv_exact_into(s, memoryview(body), "hello")
+        s.settimeout(None)
+        return json.loads(body)
+
+    def _install(self, sock, peer, rail, how):
+        eng = self._engine
+        conn = Connection(sock, peer, rail, eng)
+        with eng.cond:
+            if eng.closing or eng.error is not None or peer in eng.gone:
+                sock.close()
+                return False
+            old = eng.conns.get((peer, rail))
+            eng.conns[(peer, rail)] = conn
+            eng.dead.discard((peer, rail))
+        if old is not None and old.alive:
+            old.fail(ConnectionError("replaced by a rejoined connection"))
+            with eng.cond:
+                eng.dead.discard((peer, rail))
+        conn.start()
+        self.events.emit("rail_up", peer=peer, rail=rail, how=how)
+        eng.report_rail("up", rail, peer)
+        return True
+
+    def _rejoin_acceptor(self, rail, lsock):
+        eng = self._engine
+        while not eng.closing:
+            try:
+                lsock.settimeout(0.5)
+                s, _ = lsock.accept()
+            except socket.timeout:
+                continue
+            except OSError:
+                return
+            try:
+                m = self._read_hello(s, 2.0)
+                peer = int(m["rank"])
+                if (m["session"] != self._session or m["rail"] != rail or
+                        not self.rank < peer < self.world_size):
+                    raise ConnectionError(f"unexpected HELLO {m}")
+                self._transport.tune(s)
+                self._install(s, peer, rail, "accepted")
+            except (OSError, ValueError, KeyError, NezhaError, ConnectionError):
+                s.close()
+
+    def _rejoin(self, peer, rail):
+        """Reconnect a failed rail to a lower rank (called by the health thread)."""
+        dest = self._infos[peer]["rails"][rail]
+        s = self._transport.connect(rail, dest, 1.0)
+        try:
+            send_vec(s, [self._hello(rail, self._session)])
+        except OSError:
+            s.close()
+            raise
+        self._install(s, peer, rail, "reconnected")
 
     # ------------------------------------------------------------------ collectives
     def _prepare(self, buf, dtype, op=None):
@@ -435,10 +507,19 @@ class Context:
         except OSError:
             pass
 
+    def _debug_blackhole(self, peer: int, rail: int):
+        """Test hook: the connection to ``peer`` on ``rail`` silently stops moving data in
+        both directions (like a link that drops everything), without any socket error."""
+        self._engine.conns[(peer, rail)].blackhole = True
+
     # ------------------------------------------------------------------ teardown
     def _teardown(self):
         eng = self._engine
         eng.closing = True
+        if getattr(self, "_health", None) is not None:
+            self._health.close()
+        if self._transport is not None:
+            self._transport.close()
         conns = list(eng.conns.values())
         for c in conns:
             if c.alive:

@@ -21,6 +21,7 @@ from .errors import (AllRailsDownError, CommError, CommTimeout, MismatchError, P
                      PeerClosedError, ProtocolError)
 
 A_SAMPLE_MAX = 64 << 10
+ACK_PROGRESS = 2     # ACK.op_total: 0 = delivered, 1 = delivered after staging, 2 = progress only
 OP_WINDOW = 64
 _DEBUG_SAMPLES = bool(__import__('os').environ.get('NEZHA_DEBUG_SAMPLES'))
 
@@ -91,16 +92,32 @@ class Engine:
         self.done_op = -1
         self.closing = False
         self._aborted = False
+        # rail -> {(reporting rank, peer)}: a rail somebody reported down is not used for data
+        self.rail_down_reports: dict[int, set] = {}
         self._rr = 0
 
     # ------------------------------------------------------------------ helpers
-    def live_rails(self, peer) -> list[int]:
+    def live_rails(self, peer, data: bool = True) -> list[int]:
+        """Rails with a working connection to ``peer``; for data also not agreed down."""
         return [r for r in range(self.nrails)
-                if (peer, r) in self.conns and (peer, r) not in self.dead]
+                if (peer, r) in self.conns and (peer, r) not in self.dead
+                and not (data and self.rail_down_reports.get(r))]
+
+    def _queue(self, conn, ch):
+        """Queue a data chunk on a connection and account it for the progress watchdog."""
+        if conn.unacked == 0:
+            conn.busy_since = time.monotonic()
+        conn.unacked += 1
+        conn.put(ch)
+
+    def _settle(self, ch):
+        c = self.conns.get((ch.msg.dst, ch.rail))
+        if c is not None and c.unacked > 0:
+            c.unacked -= 1
 
     def _ctrl(self, peer, frame: bytes, prefer=None):
         """Queue a control frame to ``peer`` on ``prefer`` or any live rail."""
-        rails = self.live_rails(peer)
+        rails = self.live_rails(peer, data=False)
         if not rails:
             return
         rail = prefer if prefer in rails else rails[0]
@@ -244,7 +261,7 @@ class Engine:
             msg.unacked = len(msg.chunks)
             self.sends[key] = msg
             for ch in msg.chunks:
-                self.conns[(dst, ch.rail)].put(ch)
+                self._queue(self.conns[(dst, ch.rail)], ch)
         return msg
 
     # ------------------------------------------------------------------ waiting
@@ -372,6 +389,10 @@ class Engine:
             elif h.op_id <= self.posted_op:
                 raise self._unexpected(h)
             else:
+                # tell the sender the bytes arrived (progress for its watchdog) without
+                # completing the chunk: that ACK comes when the receive is posted
+                conn.put(wire.pack(wire.ACK, h.kind, 0, 0, conn.rail, self.rank, h.length, h.op_id,
+                                   h.step, h.chunk, h.offset, 0, h.msg_total, ACK_PROGRESS))
                 self.staged.setdefault(key, []).append((h, buf, conn.t_hdr, now))
                 self.staged_bytes += len(buf)
                 if self.staged_bytes > self.staging_limit:
@@ -385,6 +406,9 @@ class Engine:
 
     def on_ack(self, conn, h):
         now = time.monotonic()
+        conn.last_ack = now
+        if h.op_total == ACK_PROGRESS:
+            return
         with self.cond:
             msg = self.sends.get((h.op_id, h.step, h.src))
             if msg is None or h.chunk >= len(msg.chunks):
@@ -396,6 +420,7 @@ class Engine:
                 raise ProtocolError(f"rank {h.src} acknowledged chunk {h.chunk} with wrong "
                                     f"offset/length")
             ch.acked = True
+            self._settle(ch)
             msg.unacked -= 1
             rail = ch.rail
             share = msg.share.get(rail, 0)
@@ -414,7 +439,44 @@ class Engine:
         self.fatal(PeerAbortedError(f"rank {h.src} failed: {text}"))
 
     def on_control(self, conn, h, payload):
-        pass
+        import json
+        try:
+            m = json.loads(payload)
+            kind, rail = m["what"], int(m["rail"])
+        except (ValueError, KeyError, TypeError):
+            raise ProtocolError(f"bad CONTROL payload from rank {h.src}")
+        if not 0 <= rail < self.nrails:
+            raise ProtocolError(f"CONTROL for unknown rail {rail} from rank {h.src}")
+        self._apply_report(kind, rail, h.src, int(m.get("peer", -1)), m.get("op"))
+
+    def _apply_report(self, kind, rail, reporter, peer, op):
+        with self.cond:
+            rep = self.rail_down_reports.setdefault(rail, set())
+            before = bool(rep)
+            if kind == "down":
+                rep.add((reporter, peer))
+            elif kind == "up":
+                rep.discard((reporter, peer))
+            after = bool(rep)
+            self.cond.notify_all()
+        if before != after:
+            self.events.emit("rail_agreed", rail=rail, state="down" if after else "up",
+                             by=reporter, peer=peer, op=op)
+            if rail < len(self.events.rail_status):
+                self.events.rail_status[rail] = "down" if after else "up"
+
+    def report_rail(self, kind: str, rail: int, peer: int):
+        """Tell every rank (over any working rail) that our link to ``peer`` on ``rail`` went
+        down / came back, and apply it here. Everyone stops / resumes using the rail for data."""
+        import json
+        body = json.dumps({"what": kind, "rail": rail, "peer": peer, "op": self.op_seq}).encode()
+        for p in range(self.world):
+            if p == self.rank:
+                continue
+            frame = wire.pack(wire.CONTROL, 0, 0, 0, 0, self.rank, 0, self.op_seq, 0, 0, 0,
+                              len(body), 0, 0) + body
+            self._ctrl(p, frame)
+        self._apply_report(kind, rail, self.rank, peer, self.op_seq)
 
     def on_probe(self, conn, h):
         pass
@@ -458,17 +520,18 @@ class Engine:
                         continue
                     for ch in msg.chunks:
                         if not ch.acked and ch.rail == rail:
+                            ch.tries = 99      # no start-up sample from a rerouted chunk
                             ch.rail = live[self._rr % len(live)]
                             self._rr += 1
-                            self.conns[(peer, ch.rail)].put(ch)
+                            self._queue(self.conns[(peer, ch.rail)], ch)
                             self.events.rails[rail].rerouted_chunks += 1
                             moved += 1
             else:
                 self.gone.add(peer)
             self.cond.notify_all()
-        if rail < len(self.events.rail_status):
-            self.events.rail_status[rail] = "down"
         self.events.emit("rail_down", peer=peer, rail=rail, reason=str(exc))
+        if live and not self.closing:
+            self.report_rail("down", rail, peer)
         if moved:
             self.events.emit("rerouted", peer=peer, rail=rail, chunks=moved, to=live)
         if not live:

@@ -135,6 +135,10 @@ class Connection:
         self.rx_bytes = 0
         self.t_hdr = 0.0
         self.cur_slot = None
+        self.unacked = 0          # data chunks queued/sent here and not yet acknowledged
+        self.busy_since = 0.0
+        self.last_ack = 0.0
+        self.blackhole = False    # test hook: stop moving bytes, silently
         self._lock = threading.Lock()
         self.reader = threading.Thread(target=self._read_loop, daemon=True,
                                        name=f"nz-rx-p{peer}-r{rail}")
@@ -158,6 +162,8 @@ class Connection:
         try:
             while True:
                 item = self.q.get()
+                while self.blackhole and self.alive:
+                    time.sleep(0.005)
                 if item is None:
                     if self.closing or self.bye_seen:
                         try:
@@ -190,6 +196,10 @@ class Connection:
         hview = memoryview(hbuf)
         try:
             while True:
+                while self.blackhole and self.alive:
+                    time.sleep(0.005)
+                if not self.alive:
+                    return
                 if not recv_exact_into(sock, hview, "header"):
                     if self.bye_seen or self.closing:
                         self._mark_dead()

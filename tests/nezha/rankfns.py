@@ -198,10 +198,13 @@ def die_mid_op(rank, world, port, victim=1, nrails=2, timeout=5.0):
         return "finished"
 
 
-def kill_rail_mid_op(rank, world, port, rail=1, count=4 << 20, iters=4, system="nezha"):
-    """A rail's connections break during a large allreduce: the result must stay exact."""
+def kill_rail_mid_op(rank, world, port, rail=1, count=4 << 20, iters=4, system="nezha",
+                     events=None, how="kill", settle=0.0):
+    """A rail's connections break (or go silent) during a large allreduce: the result must
+    stay exact. Returns (bad iterations, rerouted chunks per rail, event names)."""
     bad = []
-    with make_ctx(rank, world, port, 2, system, timeout=10.0) as ctx:
+    ev = f"{events}.{rank}" if events else None
+    with make_ctx(rank, world, port, 2, system, timeout=10.0, events=ev) as ctx:
         inputs = [data(rank, it, count, "float32") for it in range(iters)]
         ctx.barrier()
         if rank == 0:
@@ -212,12 +215,21 @@ def kill_rail_mid_op(rank, world, port, rail=1, count=4 << 20, iters=4, system="
                 start = c.chunks_sent
                 while c.chunks_sent < start + 3:
                     time.sleep(0.0005)
-                ctx._debug_kill_rail(1, rail)
+                if how == "kill":
+                    ctx._debug_kill_rail(1, rail)
+                else:
+                    ctx._debug_blackhole(1, rail)
             threading.Thread(target=watch, daemon=True).start()
         for it in range(iters):
             a = inputs[it]
             ctx.allreduce(a)
             if not np.array_equal(a, reference(world, it, count, "float32", "sum")):
                 bad.append(it)
+        time.sleep(settle)
+        ctx.barrier()
         st = ctx.stats()
-        return bad, [r["rerouted_chunks"] for r in st["rails"]], st["rail_status"]
+    names = []
+    if ev:
+        import json
+        names = [json.loads(l)["event"] for l in open(ev)]
+    return bad, [r["rerouted_chunks"] for r in st["rails"]], names

@@ -1,14 +1,22 @@
-"""Fault tolerance on loopback: a rail breaks in the middle of collectives."""
+"""Fault tolerance on loopback: a rail breaks or goes silent in the middle of collectives."""
+import pytest
+
 from nezha.testing import run_ranks
 import rankfns
 
 
-def test_rail_breaks_mid_allreduce_result_stays_exact():
-    res = run_ranks(rankfns.kill_rail_mid_op, 2, timeout=60, rail=1, iters=4)
+@pytest.mark.parametrize("how", ["kill", "blackhole"])
+def test_rail_fails_mid_allreduce_result_stays_exact_and_rail_rejoins(tmp_path, how):
+    res = run_ranks(rankfns.kill_rail_mid_op, 2, timeout=60, rail=1, iters=4, how=how,
+                    events=str(tmp_path / "ev"), settle=1.0)
     for r, (ok, v) in res.items():
         assert ok, (r, v)
-        bad, rerouted, status = v
+        bad, rerouted, names = v
         assert bad == [], (r, bad)
-    # the side that saw the break moved the unacknowledged chunks to rail 0
+    # somebody moved the unacknowledged chunks of the failed rail to rail 0
     assert any(sum(v[1]) > 0 for _, v in res.values())
-    assert any(v[2][1] == "down" for _, v in res.values())
+    for _, (ok, (bad, rerouted, names)) in res.items():
+        assert "rail_down" in names or "rail_agreed" in names, names
+        assert "rail_up" in names, names          # re-probed and rejoined
+    if how == "blackhole":
+        assert any("rail_suspected" in v[2] for _, v in res.values())

@@ -1,0 +1,168 @@
+"""Rail health: failure detection in layers, and re-probing of failed rails.
+
+1. Socket errors / EOF fail a connection at once (transport reader and writer threads).
+2. Progress watchdog: a connection with unacknowledged chunks whose ACKs have not moved for
+   ``stall_limit(rail)`` = max(WATCHDOG_MIN, WATCHDOG_FACTOR * (a_r + chunk * b_r)) is
+   suspected and failed (catches silent black holes). Receivers acknowledge staged chunks
+   with a progress-only ACK, so a peer that is merely behind is not taken for dead.
+3. Heartbeats: every connection idle for HEARTBEAT_INTERVAL sends a HEARTBEAT; one that has
+   received nothing for HEARTBEAT_TIMEOUT is failed.
+4. Link events (optional, pyroute2): a rail interface going down fails its connections.
+5. TCP_USER_TIMEOUT on every socket (NEZHA_TCP_USER_TIMEOUT_MS) bounds kernel retries.
+
+A failed connection's unacknowledged chunks move to the surviving rails (engine.rail_failed)
+and every rank is told (CONTROL "down"): all stop using that rail for data, the split
+restarts COLD for the new rail set at the next estimate exchange. The higher rank of the
+pair re-connects with exponential back-off (PROBE_MIN .. PROBE_MAX); on success the rail
+rejoins (CONTROL "up") once no rank reports it down.
+Events: rail_suspected, rail_down, rerouted, rail_agreed, probe, rail_up.
+"""
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+from . import wire
+from .errors import CommError
+
+WATCHDOG_MIN = float(os.environ.get("NEZHA_WATCHDOG_MS", 60)) / 1e3
+WATCHDOG_FACTOR = 4.0
+WATCHDOG_NOMINAL_BPS = 12.5e6   # assumed rail speed (100 Mbit/s) before anything is measured
+HEARTBEAT_INTERVAL = float(os.environ.get("NEZHA_HEARTBEAT_MS", 100)) / 1e3
+HEARTBEAT_TIMEOUT = float(os.environ.get("NEZHA_HEARTBEAT_TIMEOUT_MS", 1500)) / 1e3
+PROBE_MIN, PROBE_MAX = 0.1, 2.0
+TICK = 0.01
+
+
+class RailStalled(CommError):
+    """No progress on a rail with outstanding work (watchdog) or no traffic (heartbeat)."""
+
+
+class Health:
+    def __init__(self, ctx):
+        self.ctx = ctx
+        self.eng = ctx._engine
+        self.stop = threading.Event()
+        self.backoff: dict = {}
+        self.next_probe: dict = {}
+        self.thread = threading.Thread(target=self.run, daemon=True, name="nz-health")
+        self.link_thread = None
+
+    def start(self):
+        self.thread.start()
+        self._start_link_monitor()
+
+    def close(self):
+        self.stop.set()
+        self.thread.join(2.0)
+        ipr = getattr(self, "_ipr", None)
+        if ipr is not None:
+            try:
+                ipr.close()
+            except Exception:
+                pass
+
+    def stall_limit(self, rail) -> float:
+        bal = self.eng.balancer
+        est = bal.est[rail]
+        b = est.b if est.b == est.b else 1.0 / WATCHDOG_NOMINAL_BPS
+        return max(WATCHDOG_MIN, WATCHDOG_FACTOR * (est.a + bal.chunk_bytes * b))
+
+    def run(self):
+        eng = self.eng
+        while not self.stop.wait(TICK):
+            if eng.error is not None or eng.closing:
+                continue
+            now = time.monotonic()
+            for (peer, rail), conn in list(eng.conns.items()):
+                if not conn.alive:
+                    continue
+                if conn.unacked > 0:
+                    since = max(conn.busy_since, conn.last_ack)
+                    limit = self.stall_limit(rail)
+                    if now - since > limit:
+                        self.suspect(conn, f"no progress for {(now - since) * 1e3:.0f} ms with "
+                                           f"{conn.unacked} chunks outstanding (limit {limit * 1e3:.0f} ms)")
+                        continue
+                if now - conn.last_rx > HEARTBEAT_TIMEOUT:
+                    self.suspect(conn, f"nothing received for {(now - conn.last_rx) * 1e3:.0f} ms")
+                    continue
+                if now - conn.last_tx > HEARTBEAT_INTERVAL and conn.q.empty():
+                    conn.last_tx = now
+                    conn.put(wire.pack(wire.HEARTBEAT, 0, 0, 0, rail, eng.rank, 0, 0, 0, 0, 0, 0, 0, 0))
+            self.probe(now)
+
+    def suspect(self, conn, why):
+        self.eng.events.emit("rail_suspected", peer=conn.peer, rail=conn.rail, reason=why)
+        conn.fail(RailStalled(f"rail {conn.rail} to rank {conn.peer}: {why}"))
+
+    # ---------------------------------------------------------------- re-probe / rejoin
+    def probe(self, now):
+        eng, ctx = self.eng, self.ctx
+        for (peer, rail) in list(eng.dead):
+            if peer >= eng.rank or peer in eng.gone:
+                continue   # the higher rank of a pair reconnects
+            key = (peer, rail)
+            if now < self.next_probe.get(key, 0.0):
+                continue
+            delay = self.backoff.get(key, PROBE_MIN)
+            self.backoff[key] = min(PROBE_MAX, delay * 2)
+            self.next_probe[key] = now + delay
+            eng.events.emit("probe", peer=peer, rail=rail, next_in=delay)
+            try:
+                ctx._rejoin(peer, rail)
+            except Exception as e:   # still broken: try again later
+                eng.events.emit("probe", peer=peer, rail=rail, ok=False, error=str(e)[:200])
+                continue
+            self.backoff.pop(key, None)
+            self.next_probe.pop(key, None)
+
+    # ---------------------------------------------------------------- link events
+    def _start_link_monitor(self):
+        if os.environ.get("NEZHA_LINK_EVENTS", "1") == "0":
+            return
+        try:
+            from pyroute2 import IPRoute
+        except ImportError:
+            return
+        addrs = self.ctx.rail_addrs
+        try:
+            ipr = IPRoute()
+            index = {}
+            for msg in ipr.get_addr(family=2):
+                a = msg.get_attr("IFA_ADDRESS")
+                if a in addrs:
+                    index[msg["index"]] = addrs.index(a)
+            if not index or any(a.startswith("127.") for a in addrs):
+                ipr.close()
+                return
+            ipr.bind()
+            self._ipr = ipr
+        except Exception:
+            return
+
+        def loop():
+            try:
+                while not self.stop.is_set():
+                    for msg in ipr.get():
+                        if msg.get("event") != "RTM_NEWLINK" or msg["index"] not in index:
+                            continue
+                        rail = index[msg["index"]]
+                        carrier = msg.get_attr("IFLA_CARRIER")
+                        oper = msg.get_attr("IFLA_OPERSTATE")
+                        if carrier == 0 or oper == "DOWN" or not (msg["flags"] & 1):
+                            self.eng.events.emit("rail_suspected", rail=rail, reason="link down (netlink)")
+                            for (p, r), c in list(self.eng.conns.items()):
+                                if r == rail and c.alive:
+                                    c.fail(RailStalled(f"rail {rail}: local link down"))
+            except Exception:
+                pass
+            finally:
+                try:
+                    ipr.close()
+                except Exception:
+                    pass
+
+        self.link_thread = threading.Thread(target=loop, daemon=True, name="nz-link")
+        self.link_thread.start()
