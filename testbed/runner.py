@@ -82,8 +82,8 @@ def run_topology(topo: Topology, results_dir: Optional[Path] = None,
             capture = Capture(fabric, out / "pcap", max_mb=scenario.capture_mb).start()
             say(f"   capturing every rail to {out / 'pcap'} (cap {scenario.capture_mb} MB each)")
         sampler = measure.Sampler(fabric)
-        runner = WorkloadRunner(fabric, scenario.workload, ranks_dir) if scenario.workload \
-            else None
+        runner = WorkloadRunner(fabric, scenario.workload, ranks_dir, progress=say) \
+            if scenario.workload else None
         injector = FaultInjector(fabric, scenario.faults,
                                  kill=runner.kill if runner else None)
         sampler.start()

@@ -69,6 +69,14 @@ def phases(w: Workload) -> list[Phase]:
     return []
 
 
+def _count_lines(path: Path) -> int:
+    try:
+        with open(path, "rb") as f:
+            return sum(1 for _ in f)
+    except FileNotFoundError:
+        return 0
+
+
 def _read_jsonl(path: Path) -> list[dict]:
     out = []
     try:
@@ -168,11 +176,20 @@ class WorkloadRunner:
                 # nsenter execs the program, so the pid is the rank itself
                 rp.proc.send_signal(getattr(signal, f"SIG{sig}"))
 
-    def wait(self, procs: list[RankProcess], timeout: float) -> bool:
-        deadline = time.monotonic() + timeout
+    def wait(self, procs: list[RankProcess], timeout: float, every: float = 2.0) -> bool:
+        """Wait for every rank, reporting progress (iterations rank 0 finished) as it goes."""
+        start = time.monotonic()
+        deadline = start + timeout
+        next_report = start + every
         while time.monotonic() < deadline:
             if all(rp.proc.poll() is not None for rp in procs):
                 return True
+            if time.monotonic() >= next_report:
+                next_report += every
+                done = _count_lines(procs[0].results)
+                alive = sum(rp.proc.poll() is None for rp in procs)
+                self.progress(f"   .. {time.monotonic() - start:4.0f} s: {done} iterations, "
+                              f"{alive}/{len(procs)} ranks running")
             time.sleep(0.05)
         for rp in procs:
             if rp.proc.poll() is None:
