@@ -1,10 +1,14 @@
 """Rail health: failure detection in layers, and re-probing of failed rails.
 
 1. Socket errors / EOF fail a connection at once (transport reader and writer threads).
-2. Progress watchdog: a connection with unacknowledged chunks whose ACKs have not moved for
-   ``stall_limit(rail)`` = max(WATCHDOG_MIN, WATCHDOG_FACTOR * (a_r + chunk * b_r)) is
-   suspected and failed (catches silent black holes). Receivers acknowledge staged chunks
-   with a progress-only ACK, so a peer that is merely behind is not taken for dead.
+2. Progress watchdog: a connection with unacknowledged chunks and bytes in flight or unsent
+   in its socket, whose kernel-level delivery counter (TCP_INFO tcpi_delivered, i.e. TCP
+   ACKs incl. SACKs) has not moved for ``stall_limit(rail)`` =
+   max(WATCHDOG_MIN, WATCHDOG_FACTOR * (a_r + 64 KiB * b_r)), is suspected and failed
+   (catches silent black holes). Kernel ACKs are used, not nezha ACKs, because a nezha ACK
+   may wait behind bulk data going the other way. Where TCP_INFO is not available (MPTCP),
+   nezha ACKs are used with a 10x larger limit; receivers acknowledge staged chunks with a
+   progress-only ACK, so a peer that is merely behind is not taken for dead.
 3. Heartbeats: every connection idle for HEARTBEAT_INTERVAL sends a HEARTBEAT; one that has
    received nothing for HEARTBEAT_TIMEOUT is failed.
 4. Link events (optional, pyroute2): a rail interface going down fails its connections.
@@ -20,19 +24,35 @@ Events: rail_suspected, rail_down, rerouted, rail_agreed, probe, rail_up.
 from __future__ import annotations
 
 import os
+import socket
+import struct
 import threading
 import time
 
 from . import wire
 from .errors import CommError
 
-WATCHDOG_MIN = float(os.environ.get("NEZHA_WATCHDOG_MS", 60)) / 1e3
+WATCHDOG_MIN = float(os.environ.get("NEZHA_WATCHDOG_MS", 80)) / 1e3
 WATCHDOG_FACTOR = 4.0
 WATCHDOG_NOMINAL_BPS = 12.5e6   # assumed rail speed (100 Mbit/s) before anything is measured
 HEARTBEAT_INTERVAL = float(os.environ.get("NEZHA_HEARTBEAT_MS", 100)) / 1e3
 HEARTBEAT_TIMEOUT = float(os.environ.get("NEZHA_HEARTBEAT_TIMEOUT_MS", 1500)) / 1e3
 PROBE_MIN, PROBE_MAX = 0.1, 2.0
 TICK = 0.01
+
+
+def tcp_progress(sock):
+    """(delivered segments, unacked segments, notsent bytes) from TCP_INFO, or None."""
+    try:
+        b = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 232)
+    except OSError:
+        return None
+    if len(b) < 200:
+        return None
+    unacked = struct.unpack_from("I", b, 24)[0]
+    notsent = struct.unpack_from("I", b, 144)[0]
+    delivered = struct.unpack_from("I", b, 192)[0]
+    return delivered, unacked, notsent
 
 
 class RailStalled(CommError):
@@ -67,7 +87,7 @@ class Health:
         bal = self.eng.balancer
         est = bal.est[rail]
         b = est.b if est.b == est.b else 1.0 / WATCHDOG_NOMINAL_BPS
-        return max(WATCHDOG_MIN, WATCHDOG_FACTOR * (est.a + bal.chunk_bytes * b))
+        return max(WATCHDOG_MIN, WATCHDOG_FACTOR * (est.a + (64 << 10) * b))
 
     def run(self):
         eng = self.eng
@@ -79,9 +99,21 @@ class Health:
                 if not conn.alive:
                     continue
                 if conn.unacked > 0:
-                    since = max(conn.busy_since, conn.last_ack)
                     limit = self.stall_limit(rail)
-                    if now - since > limit:
+                    tp = tcp_progress(conn.sock) if conn.tcp_info_ok else None
+                    if tp is None:
+                        conn.tcp_info_ok = False
+                        since = max(conn.busy_since, conn.last_ack)
+                        limit *= 10
+                        stuck = now - since > limit
+                    else:
+                        delivered, inflight, notsent = tp
+                        if delivered != conn.tcp_delivered or not (inflight or notsent):
+                            conn.tcp_delivered = delivered
+                            conn.tcp_moved = now
+                        since = max(conn.tcp_moved, conn.busy_since)
+                        stuck = (inflight or notsent) and now - since > limit
+                    if stuck:
                         self.suspect(conn, f"no progress for {(now - since) * 1e3:.0f} ms with "
                                            f"{conn.unacked} chunks outstanding (limit {limit * 1e3:.0f} ms)")
                         continue

@@ -139,6 +139,9 @@ class Connection:
         self.busy_since = 0.0
         self.last_ack = 0.0
         self.blackhole = False    # test hook: stop moving bytes, silently
+        self.tcp_info_ok = True   # progress watchdog state (health.py)
+        self.tcp_delivered = -1
+        self.tcp_moved = 0.0
         self._lock = threading.Lock()
         self.reader = threading.Thread(target=self._read_loop, daemon=True,
                                        name=f"nz-rx-p{peer}-r{rail}")
@@ -274,12 +277,17 @@ class Connection:
         """The connection is unusable (socket error, EOF, garbage). Tell the engine once."""
         if not self._mark_dead():
             return
+        if protocol:
+            # record the error before the peer can see the connection go away (and tell
+            # everyone a different story first)
+            self.handler.on_failed(self, exc, protocol)
         try:
             self.sock.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass
         self.q.put(None)
-        self.handler.on_failed(self, exc, protocol)
+        if not protocol:
+            self.handler.on_failed(self, exc, protocol)
 
     def send_abort(self, reason: str, src: int):
         self.aborting = True
