@@ -450,6 +450,11 @@ class Engine:
         self._apply_report(kind, rail, h.src, int(m.get("peer", -1)), m.get("op"))
 
     def _apply_report(self, kind, rail, reporter, peer, op):
+        if kind == "down" and peer == self.rank and reporter != self.rank:
+            # the other end of our connection saw it fail: do not wait for our own detection
+            c = self.conns.get((reporter, rail))
+            if c is not None and c.alive:
+                c.fail(PeerClosedError(f"rank {reporter} reported rail {rail} down"))
         with self.cond:
             rep = self.rail_down_reports.setdefault(rail, set())
             before = bool(rep)

@@ -8,7 +8,10 @@
    (catches silent black holes). Kernel ACKs are used, not nezha ACKs, because a nezha ACK
    may wait behind bulk data going the other way. Where TCP_INFO is not available (MPTCP),
    nezha ACKs are used with a 10x larger limit; receivers acknowledge staged chunks with a
-   progress-only ACK, so a peer that is merely behind is not taken for dead.
+   progress-only ACK, so a peer that is merely behind is not taken for dead. Only segments
+   in flight without delivery count: a slow receiver closes its window (nothing in flight).
+   The last live rail to a peer is never failed on suspicion (only by socket errors; the
+   collective's timeout covers the rest).
 3. Heartbeats: every connection idle for HEARTBEAT_INTERVAL sends a HEARTBEAT; one that has
    received nothing for HEARTBEAT_TIMEOUT is failed.
 4. Link events (optional, pyroute2): a rail interface going down fails its connections.
@@ -107,12 +110,14 @@ class Health:
                         limit *= 10
                         stuck = now - since > limit
                     else:
+                        # segments in flight and none delivered: the path is black. (A slow
+                        # receiver closes its window instead: nothing in flight, not a fault.)
                         delivered, inflight, notsent = tp
-                        if delivered != conn.tcp_delivered or not (inflight or notsent):
+                        if delivered != conn.tcp_delivered or not inflight:
                             conn.tcp_delivered = delivered
                             conn.tcp_moved = now
                         since = max(conn.tcp_moved, conn.busy_since)
-                        stuck = (inflight or notsent) and now - since > limit
+                        stuck = inflight and now - since > limit
                     if stuck:
                         self.suspect(conn, f"no progress for {(now - since) * 1e3:.0f} ms with "
                                            f"{conn.unacked} chunks outstanding (limit {limit * 1e3:.0f} ms)")
@@ -126,7 +131,17 @@ class Health:
             self.probe(now)
 
     def suspect(self, conn, why):
-        self.eng.events.emit("rail_suspected", peer=conn.peer, rail=conn.rail, reason=why)
+        eng = self.eng
+        others = [r for r in eng.live_rails(conn.peer, data=False) if r != conn.rail]
+        if not others:
+            # never take down the last rail to a peer on suspicion alone: socket errors, the
+            # collective's timeout and the peer's own view decide about that one
+            if not conn.suspected:
+                conn.suspected = True
+                eng.events.emit("rail_suspected", peer=conn.peer, rail=conn.rail, reason=why,
+                                last_rail=True)
+            return
+        eng.events.emit("rail_suspected", peer=conn.peer, rail=conn.rail, reason=why)
         conn.fail(RailStalled(f"rail {conn.rail} to rank {conn.peer}: {why}"))
 
     # ---------------------------------------------------------------- re-probe / rejoin
@@ -160,39 +175,43 @@ class Health:
             return
         addrs = self.ctx.rail_addrs
         try:
-            ipr = IPRoute()
             index = {}
-            for msg in ipr.get_addr(family=2):
-                a = msg.get_attr("IFA_ADDRESS")
-                if a in addrs:
-                    index[msg["index"]] = addrs.index(a)
+            with IPRoute() as q:
+                for msg in q.get_addr(family=2):
+                    a = msg.get_attr("IFA_ADDRESS")
+                    if a in addrs:
+                        index[msg["index"]] = addrs.index(a)
             if not index or any(a.startswith("127.") for a in addrs):
-                ipr.close()
                 return
-            ipr.bind()
-            self._ipr = ipr
-        except Exception:
+        except Exception as e:
+            self.eng.events.emit("link_monitor", ok=False, error=repr(e)[:200])
             return
 
         def loop():
             try:
+                # pyroute2 >= 0.9 runs an asyncio loop per socket: create it in this thread;
+                # a fresh socket, because bind() must come before any request
+                ipr = IPRoute()
+                ipr.bind()
+                self._ipr = ipr
+                self.eng.events.emit("link_monitor", ok=True, rails={str(v): k for k, v in index.items()})
                 while not self.stop.is_set():
                     for msg in ipr.get():
                         if msg.get("event") != "RTM_NEWLINK" or msg["index"] not in index:
                             continue
                         rail = index[msg["index"]]
                         carrier = msg.get_attr("IFLA_CARRIER")
-                        oper = msg.get_attr("IFLA_OPERSTATE")
-                        if carrier == 0 or oper == "DOWN" or not (msg["flags"] & 1):
+                        if carrier == 0 or not (msg["flags"] & 1):     # no carrier / IFF_UP off
                             self.eng.events.emit("rail_suspected", rail=rail, reason="link down (netlink)")
                             for (p, r), c in list(self.eng.conns.items()):
                                 if r == rail and c.alive:
                                     c.fail(RailStalled(f"rail {rail}: local link down"))
-            except Exception:
-                pass
+            except Exception as e:
+                if not self.stop.is_set():
+                    self.eng.events.emit("link_monitor", ok=False, error=repr(e)[:200])
             finally:
                 try:
-                    ipr.close()
+                    self._ipr.close()
                 except Exception:
                     pass
 

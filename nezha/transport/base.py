@@ -48,6 +48,8 @@ class Transport:
         self.rails = list(rails)
         self.sockbuf = sockbuf
         self.user_timeout_ms = user_timeout_ms
+        import os
+        self.notsent_lowat = int(os.environ.get("NEZHA_NOTSENT_LOWAT", 256 << 10))
         self.listeners: list[socket.socket] = []
 
     @property
@@ -59,6 +61,11 @@ class Transport:
 
     def tune(self, s: socket.socket):
         s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if self.notsent_lowat:
+            try:   # keep little unsent data in the kernel: control frames do not wait long
+                s.setsockopt(socket.IPPROTO_TCP, 25, int(self.notsent_lowat))  # TCP_NOTSENT_LOWAT
+            except OSError:
+                pass
         if self.sockbuf:
             for opt, force in ((socket.SO_SNDBUF, 32), (socket.SO_RCVBUF, 33)):
                 try:
@@ -117,6 +124,9 @@ class Transport:
         self.listeners = []
 
 
+_WAKE = object()
+
+
 class Connection:
     """One socket to one peer on one rail. ``handler`` is the engine (see engine.py)."""
 
@@ -126,6 +136,7 @@ class Connection:
         self.rail = rail
         self.handler = handler
         self.q: queue.SimpleQueue = queue.SimpleQueue()
+        self.pq: queue.SimpleQueue = queue.SimpleQueue()   # control frames jump the data queue
         self.alive = True
         self.bye_seen = False
         self.closing = False
@@ -142,6 +153,7 @@ class Connection:
         self.tcp_info_ok = True   # progress watchdog state (health.py)
         self.tcp_delivered = -1
         self.tcp_moved = 0.0
+        self.suspected = False
         self._lock = threading.Lock()
         self.reader = threading.Thread(target=self._read_loop, daemon=True,
                                        name=f"nz-rx-p{peer}-r{rail}")
@@ -157,8 +169,21 @@ class Connection:
 
     # ---------------------------------------------------------------- sending
     def put(self, item):
-        """Queue a data chunk (engine object) or a ready control frame (bytes)."""
-        self.q.put(item)
+        """Queue a data chunk (engine object) or, ahead of all data, a control frame (bytes)."""
+        if isinstance(item, (bytes, bytearray)):
+            self.pq.put(item)
+            self.q.put(_WAKE)
+        else:
+            self.q.put(item)
+
+    def _flush_control(self, sock):
+        while True:
+            try:
+                frame = self.pq.get_nowait()
+            except queue.Empty:
+                return
+            send_vec(sock, [frame])
+            self.last_tx = time.monotonic()
 
     def _write_loop(self):
         sock = self.sock
@@ -167,6 +192,9 @@ class Connection:
                 item = self.q.get()
                 while self.blackhole and self.alive:
                     time.sleep(0.005)
+                self._flush_control(sock)
+                if item is _WAKE:
+                    continue
                 if item is None:
                     if self.closing or self.bye_seen:
                         try:
@@ -174,10 +202,6 @@ class Connection:
                         except OSError:
                             pass
                     break
-                if isinstance(item, (bytes, bytearray)):
-                    send_vec(sock, [item])
-                    self.last_tx = time.monotonic()
-                    continue
                 if self.aborting or not self.alive:
                     continue
                 prep = self.handler.before_send(self, item)
@@ -279,25 +303,30 @@ class Connection:
             return
         if protocol:
             # record the error before the peer can see the connection go away (and tell
-            # everyone a different story first)
+            # everyone a different story first); the stream cannot be read any more, but it
+            # can still carry our ABORT to this peer: the writer sends it, then closes
             self.handler.on_failed(self, exc, protocol)
+            err = getattr(self.handler, "error", None) or exc
+            self.send_abort(f"{type(err).__name__}: {err}", self.handler.rank)
+            self.closing = True
+            self.q.put(None)
+            return
         try:
             self.sock.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass
         self.q.put(None)
-        if not protocol:
-            self.handler.on_failed(self, exc, protocol)
+        self.handler.on_failed(self, exc, protocol)
 
     def send_abort(self, reason: str, src: int):
         self.aborting = True
         payload = reason.encode("utf-8", "replace")[: wire.MAX_CONTROL_PAYLOAD]
-        self.q.put(wire.pack(wire.ABORT, 0, 0, 0, self.rail, src, 0, 0, 0, 0, 0, len(payload), 0, 0)
-                   + payload)
+        self.put(wire.pack(wire.ABORT, 0, 0, 0, self.rail, src, 0, 0, 0, 0, 0, len(payload), 0, 0)
+                 + payload)
 
     def send_bye(self, src: int):
         self.closing = True
-        self.q.put(wire.pack(wire.BYE, 0, 0, 0, self.rail, src, 0, 0, 0, 0, 0, 0, 0, 0))
+        self.put(wire.pack(wire.BYE, 0, 0, 0, self.rail, src, 0, 0, 0, 0, 0, 0, 0, 0))
 
     def close(self, wait: float = 1.0):
         self.closing = True
