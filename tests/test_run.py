@@ -70,18 +70,18 @@ expect:
 
 
 def test_a_degraded_rail_is_reported_as_such(tmp_path, no_leftovers):
-    """A rail collapsed to 2 % of its rate for most of the run: the bus bandwidth the run reports
-    falls accordingly, and an expectation written for healthy rails fails."""
+    """Both rails collapsed to 10 % of their rate for the whole run: the bus bandwidth the run
+    reports falls accordingly, and an expectation written for healthy rails fails."""
     healthy = """
 name: healthy
 hosts: 2
 rails: [{name: r0, bandwidth: 100mbit}, {name: r1, bandwidth: 100mbit}]
-workload: {kind: allreduce, size: 2MiB, duration: 5s}
+workload: {kind: allreduce, size: 1MiB, duration: 5s}
 expect: {wrong_results: 0, busbw_vs_rail_sum: {min: 0.6}}
 """
     degraded = healthy.replace("name: healthy", "name: degraded") + \
-        "faults: [{at: 0s, action: rate, target: r1, value: 2mbit, for: 10s},\n" \
-        "         {at: 0s, action: rate, target: r0, value: 2mbit, for: 10s}]\n"
+        "faults: [{at: 0s, action: rate, target: r1, value: 10mbit, for: 20s},\n" \
+        "         {at: 0s, action: rate, target: r0, value: 10mbit, for: 20s}]\n"
     ok = run_topology(spec.loads(healthy), tmp_path / "ok", say=lambda m: None)
     bad = run_topology(spec.loads(degraded), tmp_path / "bad", say=lambda m: None)
     assert ok.passed, ok.verdict.failures
