@@ -94,6 +94,8 @@ class Engine:
         self._aborted = False
         # rail -> {(reporting rank, peer)}: a rail somebody reported down is not used for data
         self.rail_down_reports: dict[int, set] = {}
+        self._report_seq: dict = {}
+        self._my_seq = 0
         self._rr = 0
 
     # ------------------------------------------------------------------ helpers
@@ -447,15 +449,21 @@ class Engine:
             raise ProtocolError(f"bad CONTROL payload from rank {h.src}")
         if not 0 <= rail < self.nrails:
             raise ProtocolError(f"CONTROL for unknown rail {rail} from rank {h.src}")
-        self._apply_report(kind, rail, h.src, int(m.get("peer", -1)), m.get("op"))
+        self._apply_report(kind, rail, h.src, int(m.get("peer", -1)), m.get("op"),
+                           int(m.get("seq", 0)), m.get("conn"))
 
-    def _apply_report(self, kind, rail, reporter, peer, op):
+    def _apply_report(self, kind, rail, reporter, peer, op, seq=0, ident=None):
         if kind == "down" and peer == self.rank and reporter != self.rank:
             # the other end of our connection saw it fail: do not wait for our own detection
+            # (only if it is the same TCP connection, not one that has rejoined since)
             c = self.conns.get((reporter, rail))
-            if c is not None and c.alive:
+            if c is not None and c.alive and ident and list(c.ident[::-1]) == list(ident):
                 c.fail(PeerClosedError(f"rank {reporter} reported rail {rail} down"))
         with self.cond:
+            last = self._report_seq.get((reporter, peer, rail), -1)
+            if seq <= last:
+                return                      # an older report overtaken by a newer one
+            self._report_seq[(reporter, peer, rail)] = seq
             rep = self.rail_down_reports.setdefault(rail, set())
             before = bool(rep)
             if kind == "down":
@@ -470,18 +478,24 @@ class Engine:
             if rail < len(self.events.rail_status):
                 self.events.rail_status[rail] = "down" if after else "up"
 
-    def report_rail(self, kind: str, rail: int, peer: int):
+    def report_rail(self, kind: str, rail: int, peer: int, conn=None):
         """Tell every rank (over any working rail) that our link to ``peer`` on ``rail`` went
-        down / came back, and apply it here. Everyone stops / resumes using the rail for data."""
+        down / came back, and apply it here. Everyone stops / resumes using the rail for data.
+        Reports carry a per-sender sequence number (they may travel on different rails and
+        overtake each other) and the TCP ports of the connection concerned."""
         import json
-        body = json.dumps({"what": kind, "rail": rail, "peer": peer, "op": self.op_seq}).encode()
+        with self.cond:
+            self._my_seq += 1
+            seq = self._my_seq
+        body = json.dumps({"what": kind, "rail": rail, "peer": peer, "op": self.op_seq, "seq": seq,
+                           "conn": list(conn.ident) if conn is not None else None}).encode()
         for p in range(self.world):
             if p == self.rank:
                 continue
             frame = wire.pack(wire.CONTROL, 0, 0, 0, 0, self.rank, 0, self.op_seq, 0, 0, 0,
                               len(body), 0, 0) + body
             self._ctrl(p, frame)
-        self._apply_report(kind, rail, self.rank, peer, self.op_seq)
+        self._apply_report(kind, rail, self.rank, peer, self.op_seq, seq)
 
     def on_probe(self, conn, h):
         pass
@@ -536,7 +550,7 @@ class Engine:
             self.cond.notify_all()
         self.events.emit("rail_down", peer=peer, rail=rail, reason=str(exc))
         if live and not self.closing:
-            self.report_rail("down", rail, peer)
+            self.report_rail("down", rail, peer, conn)
         if moved:
             self.events.emit("rerouted", peer=peer, rail=rail, chunks=moved, to=live)
         if not live:

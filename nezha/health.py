@@ -4,8 +4,10 @@
 2. Progress watchdog: a connection with unacknowledged chunks and bytes in flight or unsent
    in its socket, whose kernel-level delivery counter (TCP_INFO tcpi_delivered, i.e. TCP
    ACKs incl. SACKs) has not moved for ``stall_limit(rail)`` =
-   max(WATCHDOG_MIN, WATCHDOG_FACTOR * (a_r + 64 KiB * b_r)), is suspected and failed
-   (catches silent black holes). Kernel ACKs are used, not nezha ACKs, because a nezha ACK
+   max(WATCHDOG_MIN, WATCHDOG_FACTOR * (a_r + 64 KiB * b_r), RTO_FACTOR * tcpi_rto), is
+   suspected and failed (catches silent black holes). The RTO term keeps a plain packet loss
+   (recovered by a retransmission timeout) from looking like a dead rail; lower the routes'
+   ``rto_min`` (e.g. ``ip route change ... rto_min 20ms``) for faster detection. Kernel ACKs are used, not nezha ACKs, because a nezha ACK
    may wait behind bulk data going the other way. Where TCP_INFO is not available (MPTCP),
    nezha ACKs are used with a 10x larger limit; receivers acknowledge staged chunks with a
    progress-only ACK, so a peer that is merely behind is not taken for dead. Only segments
@@ -41,21 +43,24 @@ WATCHDOG_NOMINAL_BPS = 12.5e6   # assumed rail speed (100 Mbit/s) before anythin
 HEARTBEAT_INTERVAL = float(os.environ.get("NEZHA_HEARTBEAT_MS", 100)) / 1e3
 HEARTBEAT_TIMEOUT = float(os.environ.get("NEZHA_HEARTBEAT_TIMEOUT_MS", 1500)) / 1e3
 PROBE_MIN, PROBE_MAX = 0.1, 2.0
+RTO_FACTOR = 1.25
 TICK = 0.01
 
 
 def tcp_progress(sock):
-    """(delivered segments, unacked segments, notsent bytes) from TCP_INFO, or None."""
+    """(delivered segments, unacked segments, notsent bytes, rto seconds) from TCP_INFO,
+    or None."""
     try:
         b = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 232)
     except OSError:
         return None
     if len(b) < 200:
         return None
+    rto = struct.unpack_from("I", b, 8)[0] / 1e6
     unacked = struct.unpack_from("I", b, 24)[0]
     notsent = struct.unpack_from("I", b, 144)[0]
     delivered = struct.unpack_from("I", b, 192)[0]
-    return delivered, unacked, notsent
+    return delivered, unacked, notsent, rto
 
 
 class RailStalled(CommError):
@@ -112,11 +117,13 @@ class Health:
                     else:
                         # segments in flight and none delivered: the path is black. (A slow
                         # receiver closes its window instead: nothing in flight, not a fault.)
-                        delivered, inflight, notsent = tp
+                        delivered, inflight, notsent, rto = tp
                         if delivered != conn.tcp_delivered or not inflight:
                             conn.tcp_delivered = delivered
                             conn.tcp_moved = now
                         since = max(conn.tcp_moved, conn.busy_since)
+                        # one lost segment costs TCP a retransmission timeout: not a fault
+                        limit = max(limit, RTO_FACTOR * rto)
                         stuck = inflight and now - since > limit
                     if stuck:
                         self.suspect(conn, f"no progress for {(now - since) * 1e3:.0f} ms with "

@@ -154,6 +154,10 @@ class Connection:
         self.tcp_delivered = -1
         self.tcp_moved = 0.0
         self.suspected = False
+        try:   # (local port, remote port): names this TCP connection in rail reports
+            self.ident = (sock.getsockname()[1], sock.getpeername()[1])
+        except OSError:
+            self.ident = (0, 0)
         self._lock = threading.Lock()
         self.reader = threading.Thread(target=self._read_loop, daemon=True,
                                        name=f"nz-rx-p{peer}-r{rail}")
