@@ -357,7 +357,7 @@ class Context:
     def _rejoin(self, peer, rail):
         """Reconnect a failed rail to a lower rank (called by the health thread)."""
         dest = self._infos[peer]["rails"][rail]
-        s = self._transport.connect(rail, dest, 1.0)
+        s = self._transport.connect(rail, dest, 0.5, retry=False)
         try:
             send_vec(s, [self._hello(rail, self._session)])
         except OSError:

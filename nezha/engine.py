@@ -244,7 +244,7 @@ class Engine:
         with self.cond:
             if self.error is not None:
                 raise self.error
-            live = self.live_rails(dst)
+            live = self.live_rails(dst) or self.live_rails(dst, data=False)
             if not live:
                 raise AllRailsDownError(f"no live rail to rank {dst}")
             plan = self.balancer.split(len(view), elem, live)
@@ -532,7 +532,9 @@ class Engine:
             if (peer, rail) in self.dead:
                 return
             self.dead.add((peer, rail))
-            live = self.live_rails(peer)
+            # prefer rails nobody reported down; a reported-down rail that still works for
+            # this peer is better than giving up
+            live = self.live_rails(peer) or self.live_rails(peer, data=False)
             if live:
                 for msg in list(self.sends.values()):
                     if msg.dst != peer or msg.complete:

@@ -75,15 +75,19 @@ class Health:
         self.backoff: dict = {}
         self.next_probe: dict = {}
         self.thread = threading.Thread(target=self.run, daemon=True, name="nz-health")
+        # probes connect (and may wait on a dead path): never in the heartbeat thread
+        self.probe_thread = threading.Thread(target=self.probe_loop, daemon=True, name="nz-probe")
         self.link_thread = None
 
     def start(self):
         self.thread.start()
+        self.probe_thread.start()
         self._start_link_monitor()
 
     def close(self):
         self.stop.set()
         self.thread.join(2.0)
+        self.probe_thread.join(2.0)
         ipr = getattr(self, "_ipr", None)
         if ipr is not None:
             try:
@@ -135,7 +139,11 @@ class Health:
                 if now - conn.last_tx > HEARTBEAT_INTERVAL and conn.q.empty():
                     conn.last_tx = now
                     conn.put(wire.pack(wire.HEARTBEAT, 0, 0, 0, rail, eng.rank, 0, 0, 0, 0, 0, 0, 0, 0))
-            self.probe(now)
+
+    def probe_loop(self):
+        while not self.stop.wait(0.02):
+            if self.eng.error is None and not self.eng.closing:
+                self.probe(time.monotonic())
 
     def suspect(self, conn, why):
         eng = self.eng

@@ -97,8 +97,10 @@ class Transport:
             eps.append((addr, s.getsockname()[1]))
         return eps
 
-    def connect(self, rail: int, dest: tuple[str, int], timeout: float) -> socket.socket:
-        """Connect from the rail's local address to ``dest``, retrying until ``timeout``."""
+    def connect(self, rail: int, dest: tuple[str, int], timeout: float,
+                retry: bool = True) -> socket.socket:
+        """Connect from the rail's local address to ``dest``, retrying until ``timeout``
+        (one attempt of at most ``timeout`` with retry=False)."""
         deadline = time.monotonic() + timeout
         while True:
             s = self.new_socket()
@@ -111,7 +113,7 @@ class Transport:
                 return s
             except OSError as e:
                 s.close()
-                if time.monotonic() >= deadline:
+                if not retry or time.monotonic() >= deadline:
                     raise
                 time.sleep(0.05)
 

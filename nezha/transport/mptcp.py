@@ -2,9 +2,10 @@
 address); the kernel path manager opens subflows over the other rails.
 
 Endpoints must be configured on every host (``configure_mptcp_endpoints``, run as root in
-each host's namespace): every rail address other than the first is announced with
-``signal`` (the peer then opens a subflow to it from its own rail address, which routing
-picks by destination subnet), and the limits allow up to 8 subflows / accepted addresses.
+each host's namespace): every rail address other than the first becomes a ``signal subflow``
+endpoint (announced to the peer, and used to open subflows from), and the limits allow up to
+8 subflows / accepted addresses. (In the testbed, ``signal`` alone never opened the second
+subflow.)
 """
 from __future__ import annotations
 
@@ -33,15 +34,15 @@ class MptcpTransport(Transport):
                               f"(needs a kernel with CONFIG_MPTCP and net.mptcp.enabled=1)") from e
 
 
-def configure_mptcp_endpoints(rails, flags: str = "signal", subflows: int = 8,
+def configure_mptcp_endpoints(rails, flags: str = "signal subflow", subflows: int = 8,
                               add_addr_accepted: int = 8, flush: bool = True,
                               netns: str | None = None, run=subprocess.run) -> list[list[str]]:
     """Configure the in-kernel MPTCP path manager of this host (root).
 
     ``rails`` is a list of (addr, ifname) in rail order. The first rail carries the initial
-    subflow; every further rail becomes an endpoint with ``flags`` (default ``signal``: the
-    address is announced to the peer, which opens a subflow to it; use ``"subflow"`` or
-    ``"signal subflow"`` / ``"subflow fullmesh"`` for other set-ups). ``netns`` runs the
+    subflow; every further rail becomes an endpoint with ``flags`` (default ``signal subflow``:
+    the address is announced to the peer and subflows are opened from it; ``"subflow
+    fullmesh"`` etc. for other set-ups). ``netns`` runs the
     commands inside ``ip netns exec``. Returns the commands run.
     """
     pre = ["ip", "netns", "exec", netns] if netns else []
