@@ -17,11 +17,10 @@ from .capture import Capture
 from .fabric import sigterm_as_interrupt
 from .mininet_backend import fabric_class
 from .faults import FaultInjector
-from .scenario import Scenario, build as build_scenario
+from .scenario import build as build_scenario
 from .spec import Topology, check_capabilities, load
 from .workload import WorkloadRunner
 
-FAILOVER_METRICS = ("failover_ms", "detection_ms", "recovery_ms")
 
 
 @dataclass
@@ -36,15 +35,6 @@ class RunOutcome:
 
 def _say(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
-
-
-def pending_expectations(scenario: Scenario) -> dict[str, str]:
-    """Expectations that need a capability Nezha does not have yet: shown, never weakened."""
-    import nezha
-    if getattr(nezha, "FAULT_TOLERANT", False):
-        return {}
-    return {e.metric: "needs Nezha fault tolerance (rail failover), not implemented yet"
-            for e in scenario.expect if e.metric in FAILOVER_METRICS}
 
 
 def default_results_dir(topo: Topology) -> Path:
@@ -122,8 +112,7 @@ def run_topology(topo: Topology, results_dir: Optional[Path] = None,
                  "fault_errors": list(injector.errors)}
         m = metrics_mod.compute(topo, scenario, samples, iterations, events, injector.records,
                                 t0, extra=extra)
-        pending = pending_expectations(scenario)
-        v = verdict_mod.judge(scenario.expect, m, pending=pending)
+        v = verdict_mod.judge(scenario.expect, m)
         timeline = measure.Timeline.merge(samples=samples, faults=injector.records,
                                           events=events, iterations=iterations, t0=t0)
         report.write(out, topo, scenario, m, v, samples, timeline, injector.records,
@@ -139,10 +128,7 @@ def run_topology(topo: Topology, results_dir: Optional[Path] = None,
             say(f"   {e}")
         passed = v.passed and not injector.errors
         code = 0 if passed else 1
-        show(f"verdict: {'PASS' if passed else 'FAIL'}"
-              + (f" ({len(pending)} expectation(s) pending: {next(iter(pending.values()))})"
-                 if pending else "")
-              + f" — results in {out}")
+        show(f"verdict: {'PASS' if passed else 'FAIL'} — results in {out}")
         return RunOutcome(passed, code, out, m, v, injector.records)
     finally:
         if injector is not None:
