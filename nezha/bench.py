@@ -13,7 +13,8 @@ Across hosts (one process per host; rank 0 serves the store at --master)::
 busbw = algbw * 2(n-1)/n (allreduce). Output (stdout and --out)::
 
     {"world": n, "nrails": k, "sizes": [...], "systems": [...],
-     "results": {"nezha": [{"size", "iters", "latency_s", "algbw_Bps", "busbw_Bps",
+     "results": {"nezha": [{"size", "iters", "latency_s" (mean), "latency_p50_s" (median),
+                            "algbw_Bps", "busbw_Bps",
                             "rail_shares": [..], "state"}, ...], ...},
      "errors": {"system": "message"}}
 """
@@ -81,8 +82,11 @@ def bench_rank(rank, world, master, rails, systems, sizes, target_bytes=256 << 2
                     ctx.barrier()
                     rb0 = ctx.rail_bytes()
                     t0 = time.monotonic()
+                    per = []
                     for _ in range(iters):
+                        t1 = time.monotonic()
                         ctx.allreduce(buf)
+                        per.append(time.monotonic() - t1)
                     lat = (time.monotonic() - t0) / iters
                     rb1 = ctx.rail_bytes()
                     d = [rb1[k] - rb0.get(k, 0) for k in sorted(rb1, key=int)]
@@ -90,6 +94,7 @@ def bench_rank(rank, world, master, rails, systems, sizes, target_bytes=256 << 2
                     algbw = buf.nbytes / lat
                     st = ctx.stats()
                     rows.append({"size": buf.nbytes, "iters": iters, "latency_s": lat,
+                                 "latency_p50_s": float(np.median(per)),
                                  "algbw_Bps": algbw,
                                  "busbw_Bps": algbw * 2 * (world - 1) / world if world > 1 else algbw,
                                  "rail_shares": [x / tot for x in d], "state": st.get("state")})
