@@ -12,7 +12,8 @@ Estimates:
     time / total bytes over the last samples without the extreme two. Receiver-side timing
     is immune to ACK queueing behind bulk data.
   * a_r (start-up seconds) is measured by the *sender* from small messages: send start ->
-    ACK (minus s*b_r), median of the last samples. Until measured it is ``A_NOMINAL``.
+    ACK (minus s*b_r), minimum of the last samples (queueing only ever inflates a sample).
+    Until measured it is ``A_NOMINAL``.
 
 Agreement (why all ranks split identically): every rank's local table ``[a, b, n]`` per rail
 is exchanged with a tiny allgather (collective kind CONTROL) at deterministic points (see
@@ -124,13 +125,15 @@ class RailEstimator:
         self.a_samples = 0
         self.alpha = alpha
         self.b_window: deque = deque(maxlen=window)
-        self.a_window: deque = deque(maxlen=window)
+        self.a_window: deque = deque(maxlen=2 * window)
 
     def record_a(self, seconds: float):
         if seconds <= 0:
             return
         self.a_window.append(seconds)
-        self.a = float(np.median(self.a_window))
+        # the minimum: a sample can only be inflated (an ACK queued behind bulk data going
+        # the other way, a busy CPU), never deflated
+        self.a = float(min(self.a_window))
         self.a_samples += 1
 
     def record_b(self, nbytes: int, seconds: float):
@@ -261,7 +264,7 @@ class Balancer:
     def local_table(self) -> np.ndarray:
         t = np.zeros((self.nrails, 3), dtype=np.float64)
         for r, e in enumerate(self.est):
-            t[r] = (e.a, e.b, len(e.b_window))
+            t[r] = (e.a if e.a_samples else float("nan"), e.b, len(e.b_window))
         return t
 
     def want_exchange(self, nbytes: int) -> bool:
@@ -278,10 +281,16 @@ class Balancer:
         a, b, counts = [], [], []
         for r in range(self.nrails):
             col = tables[:, r, :]
-            a.append(float(np.median(col[:, 0])))
+            As = col[:, 0][~np.isnan(col[:, 0])]
+            a.append(float(np.median(As)) if len(As) else float("nan"))
             bs = col[:, 1][~np.isnan(col[:, 1])]
             b.append(float(np.median(bs)) if len(bs) == tables.shape[0] else float("nan"))
             counts.append(int(col[:, 2].min()))
+        # a rail never used for a small message has no start-up estimate: assume the best
+        # measured one (the rails differ in rate far more than in start-up), else nominal
+        known = [x for x in a if not math.isnan(x)]
+        fill = min(known) if known else A_NOMINAL
+        a = [fill if math.isnan(x) else x for x in a]
         return self.rs.observe(a, b, counts)
 
     def note_op(self):
@@ -301,19 +310,19 @@ class Balancer:
         if not live:
             raise ValueError("no live rail")
         if self.mode == "single" or nbytes == 0 or len(live) == 1:
-            rail = live[0] if self.mode == "single" else self._best(live)
+            rail = live[0] if self.mode == "single" else self._best(live, nbytes)
             return [(rail, 0, nbytes)]
         if self.mode == "stripe":
             sizes = equal_split(nbytes, live, self.nrails, elem)
         elif self.rs.state == HOT and set(live) == set(self.rs.live):
             if nbytes < MIN_SPLIT:
-                return [(self._best(live), 0, nbytes)]
+                return [(self._best(live, nbytes), 0, nbytes)]
             a = [self.rs.used_a[r] if r in live else 0.0 for r in range(self.nrails)]
             b = [self.rs.used_b[r] if r in live else float("nan") for r in range(self.nrails)]
             sizes = cost_split(nbytes, a, b, elem, PER_RAIL_OVERHEAD)
         else:
             if nbytes < COLD_SMALL:
-                return [(self._best(live), 0, nbytes)]
+                return [(self._best(live, nbytes), 0, nbytes)]
             sizes = equal_split(nbytes, live, self.nrails, elem)
         out, off = [], 0
         for r in range(self.nrails):
@@ -322,6 +331,10 @@ class Balancer:
                 off += sizes[r]
         return out
 
-    def _best(self, live):
-        a = self.rs.a
+    def _best(self, live, nbytes=0):
+        """The single rail that moves ``nbytes`` soonest by the agreed model (a_r + s*b_r;
+        by a_r alone while rates are unknown)."""
+        a, b = self.rs.a, self.rs.b
+        if all(not math.isnan(b[r]) for r in live):
+            return min(live, key=lambda r: (a[r] + nbytes * b[r], r))
         return min(live, key=lambda r: (a[r], r))

@@ -4,7 +4,8 @@ Ring allreduce = ring reduce-scatter (n-1 steps) + ring allgather (n-1 steps). S
 the buffer is reduced along one fixed chain of ranks, always as ``mine = op(mine, incoming)``,
 and the allgather copies the finished bytes, so every rank ends with identical bits.
 All receives of an operation are posted before its first send.
-Step numbering: reduce-scatter steps 0..n-2, allgather steps n-1..2n-3; broadcast step 0.
+Large segments are pipelined in blocks (see ring_allreduce for the step ids); broadcast and
+allgather use step 0..n-2 per message.
 """
 from __future__ import annotations
 
@@ -27,10 +28,25 @@ def byteview(arr: np.ndarray) -> memoryview:
     return memoryview(arr.reshape(-1).view(np.uint8))
 
 
+PIPE_BLOCK = int(__import__("os").environ.get("NEZHA_PIPE_BLOCK", 2 << 20))
+MAX_BLOCKS = 16
+
+
+def nblocks(count: int, n: int, esz: int) -> int:
+    """Pipeline depth: every segment is cut into this many blocks (same on all ranks)."""
+    seg_bytes = -(-count // n) * esz
+    return max(1, min(MAX_BLOCKS, seg_bytes // PIPE_BLOCK))
+
+
 def ring_allreduce(eng, op_id, arr, redop, kind=wire.K_ALLREDUCE, shift=0, rs_only=False,
                    deadline=None):
     """In place on ``arr`` (1-D). With rs_only, stops after reduce-scatter; rank r then owns
-    segment (r + 1 + shift) mod n. Returns the owned segment index."""
+    segment (r + 1 + shift) mod n. Returns the owned segment index.
+
+    Pipelined: each segment is cut into B blocks (``nblocks``); block b of a step is
+    forwarded as soon as it has arrived and been reduced, so the rails never wait for a
+    whole step. Message step ids: reduce-scatter step k block b -> k*B + b, allgather
+    step k block b -> (n-1)*B + k*B + b."""
     n, r = eng.world, eng.rank
     owned = (r + 1 + shift) % n
     if n == 1:
@@ -38,39 +54,62 @@ def ring_allreduce(eng, op_id, arr, redop, kind=wire.K_ALLREDUCE, shift=0, rs_on
     right, left = (r + 1) % n, (r - 1) % n
     esz = arr.dtype.itemsize
     bd = bounds(len(arr), n)
+    B = nblocks(len(arr), n, esz)
     scratch = np.empty_like(arr)
     bv, sv = byteview(arr), byteview(scratch)
     dtc = wire.DTYPE_CODES[arr.dtype.name]
     rc = wire.REDOP_CODES[redop]
     op_total = arr.nbytes
     uf = UFUNCS[redop]
+    sub = [[bd[j] + x for x in bounds(bd[j + 1] - bd[j], B)] for j in range(n)]
 
-    def seg(j):
-        return bd[j] * esz, bd[j + 1] * esz
+    def elems(j, b):
+        return sub[j][b], sub[j][b + 1]
 
-    rs_slots, ag_slots = [], []
+    def bytes_(j, b):
+        return sub[j][b] * esz, sub[j][b + 1] * esz
+
+    ag0 = (n - 1) * B
+    rs_slots, ag_slots = {}, {}
     for k in range(n - 1):
-        lo, hi = seg((r - k - 1 + shift) % n)
-        rs_slots.append(eng.post_recv(op_id, k, left, sv[lo:hi], kind, dtc, rc, op_total))
+        j = (r - k - 1 + shift) % n
+        for b in range(B):
+            lo, hi = bytes_(j, b)
+            rs_slots[k, b] = eng.post_recv(op_id, k * B + b, left, sv[lo:hi], kind, dtc, rc, op_total)
     if not rs_only:
         for k in range(n - 1):
-            lo, hi = seg((owned - k - 1) % n)
-            ag_slots.append(eng.post_recv(op_id, n - 1 + k, left, bv[lo:hi], kind, dtc, rc, op_total))
+            j = (owned - k - 1) % n
+            for b in range(B):
+                lo, hi = bytes_(j, b)
+                ag_slots[k, b] = eng.post_recv(op_id, ag0 + k * B + b, left, bv[lo:hi], kind, dtc,
+                                               rc, op_total)
     eng.posted(op_id)
     sends = []
+
+    def send(step, j, b):
+        lo, hi = bytes_(j, b)
+        sends.append(eng.send(right, op_id, step, bv[lo:hi], kind, dtc, rc, op_total, elem=esz))
+
+    for b in range(B):
+        send(b, (r + shift) % n, b)
     for k in range(n - 1):
-        lo, hi = seg((r - k + shift) % n)
-        sends.append(eng.send(right, op_id, k, bv[lo:hi], kind, dtc, rc, op_total, elem=esz))
-        eng.wait_recv(rs_slots[k], deadline)
         j = (r - k - 1 + shift) % n
-        a, b = bd[j], bd[j + 1]
-        if b > a:
-            uf(arr[a:b], scratch[a:b], out=arr[a:b])
+        for b in range(B):
+            eng.wait_recv(rs_slots[k, b], deadline)
+            a, e = elems(j, b)
+            if e > a:
+                uf(arr[a:e], scratch[a:e], out=arr[a:e])
+            if k < n - 2:
+                send((k + 1) * B + b, j, b)
+            elif not rs_only:
+                send(ag0 + b, j, b)          # j is the owned segment: start the allgather
     if not rs_only:
         for k in range(n - 1):
-            lo, hi = seg((owned - k) % n)
-            sends.append(eng.send(right, op_id, n - 1 + k, bv[lo:hi], kind, dtc, rc, op_total, elem=esz))
-            eng.wait_recv(ag_slots[k], deadline)
+            j = (owned - k - 1) % n
+            for b in range(B):
+                eng.wait_recv(ag_slots[k, b], deadline)
+                if k < n - 2:
+                    send(ag0 + (k + 1) * B + b, j, b)
     eng.wait_sent(sends, deadline)
     return owned
 

@@ -35,9 +35,13 @@ def digest(a):
     return hashlib.sha256(np.ascontiguousarray(a).tobytes()).hexdigest()[:16]
 
 
-def matrix(rank, world, port, dtypes, ops, counts, nrails=2, system="nezha", others=True):
+def matrix(rank, world, port, dtypes, ops, counts, nrails=2, system="nezha", others=True,
+           pipe_block=None):
     """Every (dtype, op, count) allreduce against numpy; plus the other collectives.
     Returns (failures, digests) so the parent can check identical bits on all ranks."""
+    if pipe_block:
+        import nezha.collectives
+        nezha.collectives.PIPE_BLOCK = pipe_block
     fails, digests = [], []
     with make_ctx(rank, world, port, nrails, system) as ctx:
         it = 0

@@ -76,3 +76,12 @@ def test_buffer_protocol_objects():
 def test_repeated_interleaved_calls():
     res = ok_results(run_ranks(rankfns.interleaved, 3, timeout=60))
     assert all(v == [] for v in res.values()), res
+
+
+def test_pipelined_blocks():
+    """Tiny pipeline blocks: many blocks per segment, forwarded one by one, odd sizes."""
+    import nezha.collectives as c
+    assert c.nblocks(100_003, 3, 4) == 1
+    res = run_ranks(rankfns.matrix, 3, timeout=60, dtypes=["float32", "int64"], ops=["sum", "max"],
+                    counts=[2, 1000, 40_001], pipe_block=4096, others=False)
+    check_matrix(res)
