@@ -23,6 +23,10 @@ ranks of the exact float64 values) and runs the same state machine, so split dec
 identical everywhere. (The receiver does not need the split for correctness: frames carry
 their offsets; identical splits keep the ring's links evenly loaded.)
 
+Exchange schedule (``want_exchange``): in COLD before the next op of >= EXCH_MIN_BYTES once
+``cold_interval`` ops have passed (1 at first; doubled up to 16 after each exchange that
+leaves the state COLD; back to 1 when the rail set changes or HOT falls back to COLD); in HOT every 16 such ops; in any state at least every 64 (COLD) / 128 (HOT) ops.
+
 Cold/hot state machine for the current set of live rails::
 
     COLD --(every live rail has >= MIN_SAMPLES b samples on every rank, and two consecutive
@@ -252,6 +256,9 @@ class Balancer:
         self.est = [RailEstimator() for _ in range(nrails)]
         self.rs = RailState(nrails)
         self.ops_since_exchange = 0
+        # in COLD, exchange after every large op at first, then back off (x2 up to 16) while
+        # the estimates do not settle, so a noisy environment does not pay for one every op
+        self.cold_interval = 1
 
     # ---- measurements (called from transport threads)
     def record_a(self, rail, seconds):
@@ -272,7 +279,7 @@ class Balancer:
             return False
         k = self.ops_since_exchange
         if self.rs.state == COLD:
-            return (k >= 1 and nbytes >= EXCH_MIN_BYTES) or k >= 64
+            return (k >= self.cold_interval and nbytes >= EXCH_MIN_BYTES) or k >= 64
         return (k >= 16 and nbytes >= EXCH_MIN_BYTES) or k >= 128
 
     def agree(self, tables: np.ndarray) -> list:
@@ -291,13 +298,23 @@ class Balancer:
         known = [x for x in a if not math.isnan(x)]
         fill = min(known) if known else A_NOMINAL
         a = [fill if math.isnan(x) else x for x in a]
-        return self.rs.observe(a, b, counts)
+        was = self.rs.state
+        evs = self.rs.observe(a, b, counts)
+        if self.rs.state == COLD:
+            if was == HOT:
+                self.cold_interval = 1
+            else:
+                self.cold_interval = min(16, self.cold_interval * 2)
+        return evs
 
     def note_op(self):
         self.ops_since_exchange += 1
 
     def set_live(self, live) -> list:
         evs = self.rs.set_live(live)
+        if evs or tuple(sorted(live)) != getattr(self, "_last_live", None):
+            self.cold_interval = 1
+        self._last_live = tuple(sorted(live))
         if evs:
             for e in self.est:
                 e.reset()

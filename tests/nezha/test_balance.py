@@ -188,3 +188,19 @@ def test_missing_startup_estimate_is_filled_from_measured_rails():
     t[:, 1] = (np.nan, 3e-8, 5)
     bal.agree(t)
     assert bal.rs.a == [3e-4, 3e-4]
+
+
+def test_cold_exchanges_back_off_while_estimates_stay_noisy():
+    bal = Balancer(2, "nezha")
+    seen = []
+    for i in range(40):
+        bal.note_op()
+        if bal.want_exchange(1 << 20):
+            seen.append(i)
+            agreed(bal, [1e-8 * (1 + len(seen) % 2), 1e-8])   # never stable
+    gaps = [b - a for a, b in zip(seen, seen[1:])]
+    assert gaps[:4] == [2, 4, 8, 16] and max(gaps) == 16, gaps
+    assert bal.rs.state == "cold"
+    bal.set_live([0])                                   # rail set changed: eager again
+    bal.note_op()
+    assert bal.want_exchange(1 << 20)
