@@ -103,9 +103,14 @@ def bench_rank(rank, world, master, rails, systems, sizes, target_bytes=256 << 2
             finally:
                 ctx.close()
             results[system] = rows
-        store.set(f"bench/done/{rank}", "1")
+        try:
+            store.set(f"bench/done/{rank}", "1")
+        except Exception:
+            if rank == 0:
+                raise       # others: rank 0 may close the store the moment our key lands
         if rank == 0:   # keep serving the store until every rank is through
             store.wait([f"bench/done/{r}" for r in range(world)], timeout)
+            time.sleep(0.2)
     finally:
         store.close()
         if server is not None:
