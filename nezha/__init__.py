@@ -1,6 +1,23 @@
 """Nezha: multi-rail collective communication (allreduce, broadcast, allgather,
-reduce_scatter, barrier) over several network rails, with online cost-balanced splitting.
-See nezha/context.py for the API."""
+reduce_scatter, barrier) over several network rails, with online cost-balanced splitting
+and rail fault tolerance.
+
+Modules, in the order data flows:
+  context      Context: the public API (see its docstring); Context.from_env()
+  store        TCP key-value store for rendezvous (served by rank 0)
+  rails        rail specs (IPv4 address or interface name) -> addresses
+  transport/   Transport + Connection (TCP per rail, MPTCP), reader/writer threads
+  wire         the 64-byte frame header (documented there)
+  collectives  pipelined ring reduce-scatter/allgather, star broadcast
+  engine       posted receives, staging, chunking over rails, ACKs, reroute, abort
+  balance      cost model T = a + s*b, estimates, agreement, cold/hot state machine
+  health       watchdog, heartbeats, netlink link events, rail reports, re-probe/rejoin
+  events       per-rail counters and the JSON-lines event log
+  baselines    make_context(system=...), GlooContext (torch, optional)
+  worker       python -m nezha.worker: verified allreduce loop for the testbed
+  bench        python -m nezha.bench: latency / algbw / busbw per system
+  testing      run ranks as local processes on loopback rails
+"""
 from .errors import *  # noqa: F401,F403
 from .context import Context, SYSTEMS  # noqa: F401
 

@@ -83,6 +83,17 @@ class GlooContext:
             wb()
         return outbuf
 
+    def reduce_scatter(self, inbuf, outbuf, op="sum", dtype=None):
+        t, _ = self._t(inbuf, dtype)
+        o, wb = self._t(outbuf, dtype)
+        try:
+            self.dist.reduce_scatter(o, list(t.clone().chunk(self.world_size)), op=self._ops[op])
+        except RuntimeError as e:
+            raise ConfigError(f"reduce_scatter is not available with torch gloo: {e}") from e
+        if wb:
+            wb()
+        return outbuf
+
     def barrier(self):
         self.dist.barrier()
 

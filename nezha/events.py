@@ -4,10 +4,23 @@ Every event-log line is one JSON object::
 
     {"t": <time.monotonic()>, "event": "<name>", "rank": <int>, ...fields}
 
-Event names: ``init`` (rails, system, world), ``connected``, ``state`` (rails state
-cold|hot, reason), ``weights`` (shares per rail, a, b), ``op_start`` / ``op_end``
-(only with ``log_ops``), ``rail_suspected``, ``rail_down``, ``rail_agreed``,
-``rerouted``, ``probe``, ``rail_up``, ``error``, ``close``.
+Event names and their fields (``rail`` is the rail index, ``peer`` a rank):
+
+  init            system, world, rails (addresses)
+  connected       peers, rails
+  link_monitor    ok, rails {ifindex: rail} | error     (netlink link-event watcher)
+  state           state "cold"|"hot", reason, [live]     (agreed balancing state)
+  weights         shares [per rail, for a 16 MiB message], state, a [s], b [s/byte]
+  rail_suspected  rail, [peer], reason, [last_rail]      (watchdog, heartbeat, netlink)
+  rail_down       peer, rail, reason                     (this rank stopped using it)
+  rerouted        peer, rail, chunks, to [rails]         (unacked chunks moved)
+  rail_agreed     rail, state "down"|"up", by, peer, op  (rail usable by nobody / again)
+  probe           peer, rail, next_in | ok=false, error  (re-connect attempt)
+  rail_up         peer, rail, how "reconnected"|"accepted"
+  error           error (class), message                 (the communicator failed)
+  call / op_start / op_end   kind, bytes, [op]           (only with log_ops / NEZHA_LOG_OPS=1)
+  b_sample        rail, bytes, seconds, ...              (only with NEZHA_DEBUG_SAMPLES=1)
+  close
 CLOCK_MONOTONIC is shared by all network namespaces of one machine, so logs of several
 ranks can be merged on one timeline.
 """

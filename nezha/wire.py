@@ -26,7 +26,25 @@ All integers are big-endian (network order). Layout (byte offset, size, field)::
 A DATA frame is identified by (src, op_id, step, offset): the receiver places it at
 ``offset`` of the buffer posted for (op_id, step, src), whichever rail it came on, and
 ignores repeats. That is what lets a sender move a chunk to another rail.
-HELLO and ABORT payloads are UTF-8 (HELLO: JSON {"rank","rail","session","world"}).
+
+Per type:
+  * HELLO: first frame of every connection; payload JSON {"rank", "rail", "session",
+    "world"} (session = random token of this job, from the store).
+  * DATA: kind/dtype/redop/op_total/msg_total describe the sender's call and are checked
+    against the receiver's (a mismatch is an error, never a wrong result); aux = root.
+  * ACK: echoes op_id, step, chunk, offset, msg_total of a DATA frame; aux = its length;
+    op_total = 0 delivered, 1 delivered after waiting in staging, 2 progress only (arrived,
+    staged; the full ACK follows when the receive is posted).
+  * HEARTBEAT: no payload; sent on idle connections.
+  * CONTROL: payload JSON {"what": "down"|"up", "rail", "peer", "op", "seq",
+    "conn": [local port, remote port]}: a rank's report that its link to ``peer`` on
+    ``rail`` failed / rejoined.
+  * ABORT: payload UTF-8 reason; the sender failed, every receiver fails too.
+  * BYE: graceful close (the receiver flushes and closes its side).
+  * PROBE: reserved.
+Validation on receipt: magic, version, CRC, known type/kind/dtype/redop, payload limits
+(DATA <= 64 MiB, control <= 64 KiB, none for ACK/HEARTBEAT/BYE), chunk inside the message;
+the engine then checks the frame against the posted receive (sizes, collective, op range).
 """
 from __future__ import annotations
 

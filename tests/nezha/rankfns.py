@@ -237,3 +237,20 @@ def kill_rail_mid_op(rank, world, port, rail=1, count=4 << 20, iters=4, system="
         import json
         names = [json.loads(l)["event"] for l in open(ev)]
     return bad, [r["rerouted_chunks"] for r in st["rails"]], names
+
+
+def gloo_allreduce(rank, world, port):
+    from nezha.baselines import make_context
+    ctx = make_context("gloo", rank=rank, world_size=world, rails="127.0.0.1",
+                       master=f"127.0.0.1:{port}", timeout=20)
+    try:
+        a = data(rank, 0, 1001, "float32")
+        ctx.allreduce(a)
+        ok = bool(np.array_equal(a, reference(world, 0, 1001, "float32", "sum")))
+        b = np.zeros(7, "int64") if rank else data(0, 1, 7, "int64")
+        ctx.broadcast(b, root=0)
+        ok &= bool(np.array_equal(b, data(0, 1, 7, "int64")))
+        ctx.barrier()
+        return ok
+    finally:
+        ctx.close()

@@ -85,3 +85,9 @@ def test_pipelined_blocks():
     res = run_ranks(rankfns.matrix, 3, timeout=60, dtypes=["float32", "int64"], ops=["sum", "max"],
                     counts=[2, 1000, 40_001], pipe_block=4096, others=False)
     check_matrix(res)
+
+
+def test_gloo_baseline_when_torch_is_installed():
+    pytest.importorskip("torch")
+    res = ok_results(run_ranks(rankfns.gloo_allreduce, 2, timeout=90))
+    assert all(res.values()), res

@@ -144,3 +144,17 @@ def test_from_env(monkeypatch):
         a = np.arange(5.0)
         ctx.allreduce(a)
         assert a.tolist() == [0, 1, 2, 3, 4]
+
+
+def test_gloo_without_torch_is_a_clear_config_error():
+    pytest.importorskip  # noqa: B018
+    try:
+        import torch  # noqa: F401
+        pytest.skip("torch is installed")
+    except ImportError:
+        pass
+    from nezha.baselines import make_context
+    with pytest.raises(errors.ConfigError, match="torch"):
+        make_context("gloo", rank=0, world_size=1, rails="127.0.0.1", master="127.0.0.1:1")
+    with pytest.raises(errors.ConfigError):
+        make_context("bogus", rank=0, world_size=1, rails="127.0.0.1", master="127.0.0.1:1")
