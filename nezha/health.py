@@ -42,7 +42,7 @@ WATCHDOG_FACTOR = 4.0
 WATCHDOG_NOMINAL_BPS = 12.5e6   # assumed rail speed (100 Mbit/s) before anything is measured
 HEARTBEAT_INTERVAL = float(os.environ.get("NEZHA_HEARTBEAT_MS", 100)) / 1e3
 HEARTBEAT_TIMEOUT = float(os.environ.get("NEZHA_HEARTBEAT_TIMEOUT_MS", 1500)) / 1e3
-PROBE_MIN, PROBE_MAX = 0.1, 2.0
+PROBE_MIN, PROBE_MAX = 0.1, 1.0
 RTO_FACTOR = 1.25
 TICK = 0.01
 
