@@ -254,3 +254,23 @@ def gloo_allreduce(rank, world, port):
         return ok
     finally:
         ctx.close()
+
+
+def silent_peer(rank, world, port, victim=1, timeout=3.0):
+    """Every rail of rank ``victim`` goes silent (no socket error): every rank must fail
+    within about the collective timeout, none may hang or return."""
+    with make_ctx(rank, world, port, 2, timeout=timeout) as ctx:
+        ctx.barrier()
+        if rank == victim:
+            for p in range(world):
+                if p != rank:
+                    for r in range(2):
+                        ctx._debug_blackhole(p, r)
+        a = np.ones(1 << 18, dtype=np.float32)
+        t0 = time.monotonic()
+        try:
+            ctx.allreduce(a)
+            ctx.barrier()
+        finally:
+            print("elapsed", time.monotonic() - t0)
+        return "finished"

@@ -20,3 +20,13 @@ def test_rail_fails_mid_allreduce_result_stays_exact_and_rail_rejoins(tmp_path, 
         assert "rail_up" in names, names          # re-probed and rejoined
     if how == "blackhole":
         assert any("rail_suspected" in v[2] for _, v in res.values())
+
+
+def test_silent_peer_fails_every_rank_within_timeout():
+    import time
+    t0 = time.monotonic()
+    res = run_ranks(rankfns.silent_peer, 3, timeout=30, victim=1)
+    for r, (ok, v) in res.items():
+        assert not ok and not isinstance(v, str), (r, v)
+        assert v.isa("CommError"), (r, v)
+    assert time.monotonic() - t0 < 15
