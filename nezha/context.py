@@ -7,6 +7,17 @@
 or ``Context.from_env()`` with NEZHA_RANK, NEZHA_WORLD_SIZE, NEZHA_RAILS, NEZHA_MASTER_ADDR,
 NEZHA_MASTER_PORT (and optionally NEZHA_SYSTEM, NEZHA_TIMEOUT, NEZHA_EVENT_LOG).
 
+Other knobs (environment): NEZHA_STORE_EXTERNAL=1 (rank 0 does not serve the store),
+NEZHA_SOCKBUF (SO_SNDBUF/SO_RCVBUF bytes; default: kernel autotuning),
+NEZHA_TCP_USER_TIMEOUT_MS (default: the context timeout), NEZHA_NOTSENT_LOWAT (256 KiB),
+NEZHA_STAGING_LIMIT (1 GiB), NEZHA_PIPE_BLOCK (2 MiB), NEZHA_WATCHDOG_MS (80),
+NEZHA_HEARTBEAT_MS (100), NEZHA_HEARTBEAT_TIMEOUT_MS (1500), NEZHA_LINK_EVENTS=0 (no
+netlink watcher), NEZHA_LOG_OPS=1, NEZHA_DEBUG_SAMPLES=1.
+
+Semantics: collectives are called in the same order with matching arguments on every rank
+(a mismatch is detected and raised on every rank, at the latest at the next collective);
+any failure makes the Context unusable (every later call raises the same error).
+
 Systems: ``nezha`` (cost-balanced multi-rail), ``single`` (ring on the first rail only),
 ``stripe`` (static equal striping over all rails), ``mptcp`` (ring over one MPTCP connection
 per peer). ``gloo`` (torch.distributed) is provided by ``nezha.baselines.GlooContext``;
@@ -129,13 +140,15 @@ class Context:
         mode = {"nezha": "nezha", "stripe": "stripe", "single": "single", "mptcp": "single"}[self.system]
         self._transport = make_transport("mptcp" if self.system == "mptcp" else "tcp",
                                          self.rail_addrs, sockbuf=sockbuf or _int_env("NEZHA_SOCKBUF"),
-                                         user_timeout_ms=_int_env("NEZHA_TCP_USER_TIMEOUT_MS"))
+                                         user_timeout_ms=_int_env("NEZHA_TCP_USER_TIMEOUT_MS")
+                                         or int(self.timeout * 1000))
         self.nrails = self._transport.nrails
         self.events = Events(self.rank, self.nrails, events,
                              log_ops or _env("NEZHA_LOG_OPS", "0") == "1")
         self.balancer = Balancer(self.nrails, mode, chunk_bytes)
         self._engine = Engine(self.rank, self.world_size, self.nrails, self.balancer,
-                              self.events, self.timeout)
+                              self.events, self.timeout,
+                              staging_limit=_int_env("NEZHA_STAGING_LIMIT") or (1 << 30))
         self.events.emit("init", system=self.system, world=self.world_size, rails=self.rail_addrs)
         try:
             endpoints = self._transport.listen()
