@@ -274,3 +274,16 @@ def silent_peer(rank, world, port, victim=1, timeout=3.0):
         finally:
             print("elapsed", time.monotonic() - t0)
         return "finished"
+
+
+def agreed_split(rank, world, port, iters=8, count=1 << 20):
+    """After some large allreduces every rank must hold the same balancing state and make
+    the same split decisions (they only exchange estimates, never splits)."""
+    with make_ctx(rank, world, port, 2) as ctx:
+        for it in range(iters):
+            a = data(rank, it, count, "float32")
+            ctx.allreduce(a)
+        bal = ctx.balancer
+        return (bal.rs.state, bal.rs.used_a, bal.rs.used_b, bal.rs.a, bal.rs.b,
+                [bal.split(n, 4) for n in (100, 40_000, 1 << 20, 16 << 20)],
+                ctx.stats()["rails"][0]["bytes_sent"] > 0)

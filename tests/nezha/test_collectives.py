@@ -91,3 +91,10 @@ def test_gloo_baseline_when_torch_is_installed():
     pytest.importorskip("torch")
     res = ok_results(run_ranks(rankfns.gloo_allreduce, 2, timeout=90))
     assert all(res.values()), res
+
+
+def test_all_ranks_agree_on_state_and_splits():
+    res = ok_results(run_ranks(rankfns.agreed_split, 3, timeout=60))
+    states = list(res.values())
+    assert all(s == states[0] for s in states), states
+    assert states[0][-1]
