@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 from datetime import timedelta
 
-import numpy as np
 
 from .context import Context, as_array, parse_master, SYSTEMS as NEZHA_SYSTEMS
 from .errors import ConfigError

@@ -111,7 +111,7 @@ class Transport:
                 s.settimeout(None)
                 self.tune(s)
                 return s
-            except OSError as e:
+            except OSError:
                 s.close()
                 if not retry or time.monotonic() >= deadline:
                     raise

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from nezha import balance
-from nezha.balance import Balancer, RailState, cost_split, equal_split
+from nezha.balance import Balancer, cost_split, equal_split
 
 
 def finish_times(split, a, b):
