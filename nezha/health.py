@@ -125,9 +125,13 @@ class Health:
                         if delivered != conn.tcp_delivered or not inflight:
                             conn.tcp_delivered = delivered
                             conn.tcp_moved = now
+                            conn.tcp_rto = rto
                         since = max(conn.tcp_moved, conn.busy_since)
-                        # one lost segment costs TCP a retransmission timeout: not a fault
-                        limit = max(limit, RTO_FACTOR * rto)
+                        # one lost segment costs TCP a retransmission timeout: not a fault.
+                        # The RTO as it was when delivery last moved: during a black hole
+                        # TCP backs off (doubles) the current one, which would push the
+                        # limit further out with every retransmission.
+                        limit = max(limit, RTO_FACTOR * min(rto, conn.tcp_rto or rto))
                         stuck = inflight and now - since > limit
                     if stuck:
                         self.suspect(conn, f"no progress for {(now - since) * 1e3:.0f} ms with "

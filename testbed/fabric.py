@@ -30,6 +30,7 @@ from .state import RunState
 
 log = logging.getLogger(__name__)
 BRIDGE = "br0"   # the rail switch's bridge, inside the switch namespace
+RTAX_RTO_MIN = 13  # route metric index; TCP honours it only when the metric is locked
 
 
 def _intf(ns: str, name: str, ipr: IPRoute) -> "Intf":
@@ -374,7 +375,8 @@ class Fabric:
         if rto:
             intf.ipr.link("set", index=intf.index, state="up")
             intf.ipr.route("replace", dst=str(subnet), oif=intf.index, prefsrc=ip, scope="link",
-                           proto="kernel", metrics={"RTAX_RTO_MIN": max(1, int(rto * 1000))})
+                           proto="kernel", metrics={"RTAX_LOCK": 1 << RTAX_RTO_MIN,
+                                                    "RTAX_RTO_MIN": max(1, int(rto * 1000))})
 
     # ---------------------------------------------------------------- lookup
     def target(self, name: str) -> Link | Rail | Host:

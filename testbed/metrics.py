@@ -268,7 +268,7 @@ def _event_rails(e: dict, rails: Sequence[str]) -> set:
 
 def failover(f: dict, rates: Rates, fault_rails: Sequence[str], rails: Sequence[str],
              faults: Sequence[dict], windows: Sequence[tuple[float, float]],
-             run_end: float, floor_bps: float = 0.0) -> dict:
+             run_end: float, floor_bps: float = 0.0, onset_limit: Optional[float] = None) -> dict:
     """failover_ms of one rail-removing fault.
 
     S(t) = goodput of the surviving rails (every rail the fault does not take out; sum over
@@ -282,6 +282,8 @@ def failover(f: dict, rates: Rates, fault_rails: Sequence[str], rails: Sequence[
     natural dips between iterations. A gap after the fault is a *stall* when it is longer than
     that. The failover ends at the end of the last stall of the first chain of stalls (stalls
     less than STEADY_S apart) that starts within the fault window and ends after t_applied;
+    only stalls that begin before the iteration in flight at the fault has completed count (a
+    dip in a later iteration is the workload's own rhythm, not the failover);
     the end is refined inside its 20 ms bins assuming traffic resumes at level L. So it is the
     time from the fault until the surviving rails carry traffic at their steady rate again,
     including the time they kept carrying their own share before stalling.
@@ -333,6 +335,13 @@ def failover(f: dict, rates: Rates, fault_rails: Sequence[str], rails: Sequence[
     gap = ~(S >= thr)                  # NaN (not sampled) counts as a gap
     stalls = [(a, b) for a, b in _runs(gap)
               if b > kT and a < kE and (b - a) > natural]
+    if onset_limit is not None:
+        # a stall that begins after the iteration in flight at the fault has completed is not
+        # part of the failover: the work had already moved (a natural dip of a later one)
+        late = [x for x in stalls if rates.edges[x[0]] > onset_limit]
+        stalls = [x for x in stalls if rates.edges[x[0]] <= onset_limit]
+        if late:
+            res["later_dips_ms"] = [(rates.edges[a] - T) * 1e3 for a, _ in late[:5]]
     if not stalls:
         res["failover_ms"] = 0.0
         res["note"] = (f"surviving rails never stalled beyond the pre-fault pattern "
@@ -359,6 +368,13 @@ def failover(f: dict, rates: Rates, fault_rails: Sequence[str], rails: Sequence[
         res["note"] = (f"traffic resumed only {(t_resume - end) * 1e3:.0f} ms after the fault "
                        "window ended: the link came back, no failover")
     return res
+
+
+def first_end_after(T: float, table: Sequence[dict]) -> Optional[float]:
+    """When the iteration in flight at T (the first to end after it, on every rank) ended."""
+    ends = [r["t_end"] for r in table if r.get("complete") and _num(r.get("t_end"))
+            and r["t_end"] > T]
+    return min(ends) if ends else None
 
 
 def iteration_stall(T: float, table: Sequence[dict]) -> Optional[float]:
@@ -640,7 +656,8 @@ def compute(topo, scenario, samples: Optional[Samples], iterations: Sequence[dic
             else:
                 det_vals.append(d["detection_ms"])
             if rates is not None and len(rates):
-                fo = failover(f, rates, fr, rails, ordered, windows, run_end, floor)
+                fo = failover(f, rates, fr, rails, ordered, windows, run_end, floor,
+                              onset_limit=first_end_after(f["t_applied"], table))
                 row.update({k: v for k, v in fo.items() if k != "note"},
                            failover_note=fo["note"])
                 row["iteration_stall_ms"] = iteration_stall(f["t_applied"], table)

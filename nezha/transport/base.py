@@ -155,6 +155,7 @@ class Connection:
         self.tcp_info_ok = True   # progress watchdog state (health.py)
         self.tcp_delivered = -1
         self.tcp_moved = 0.0
+        self.tcp_rto = 0.0            # TCP RTO when delivery last moved (before any back-off)
         self.suspected = False
         try:   # (local port, remote port): names this TCP connection in rail reports
             self.ident = (sock.getsockname()[1], sock.getpeername()[1])
