@@ -5,7 +5,9 @@
    in its socket, whose kernel-level delivery counter (TCP_INFO tcpi_delivered, i.e. TCP
    ACKs incl. SACKs) has not moved for ``stall_limit(rail)`` =
    max(WATCHDOG_MIN, WATCHDOG_FACTOR * (a_r + 64 KiB * b_r), RTO_FACTOR * tcpi_rto), is
-   suspected and failed (catches silent black holes). The RTO term keeps a plain packet loss
+   suspected and failed (catches silent black holes) - provided no ACK at all (not even a
+   duplicate) arrived for as long (tcpi_last_ack_recv): a congested or lossy rail keeps
+   returning ACKs while delivery waits on a retransmission, a black hole returns none. The RTO term keeps a plain packet loss
    (recovered by a retransmission timeout) from looking like a dead rail; lower the routes'
    ``rto_min`` (e.g. ``ip route change ... rto_min 20ms``) for faster detection. Kernel ACKs are used, not nezha ACKs, because a nezha ACK
    may wait behind bulk data going the other way. Where TCP_INFO is not available (MPTCP),
@@ -37,7 +39,7 @@ import time
 from . import wire
 from .errors import CommError
 
-WATCHDOG_MIN = float(os.environ.get("NEZHA_WATCHDOG_MS", 80)) / 1e3
+WATCHDOG_MIN = float(os.environ.get("NEZHA_WATCHDOG_MS", 150)) / 1e3
 WATCHDOG_FACTOR = 4.0
 WATCHDOG_NOMINAL_BPS = 12.5e6   # assumed rail speed (100 Mbit/s) before anything is measured
 HEARTBEAT_INTERVAL = float(os.environ.get("NEZHA_HEARTBEAT_MS", 100)) / 1e3
@@ -48,8 +50,8 @@ TICK = 0.01
 
 
 def tcp_progress(sock):
-    """(delivered segments, unacked segments, notsent bytes, rto seconds) from TCP_INFO,
-    or None."""
+    """(delivered segments, unacked segments, notsent bytes, rto seconds, seconds since the
+    last ACK arrived) from TCP_INFO, or None."""
     try:
         b = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 232)
     except OSError:
@@ -60,7 +62,8 @@ def tcp_progress(sock):
     unacked = struct.unpack_from("I", b, 24)[0]
     notsent = struct.unpack_from("I", b, 144)[0]
     delivered = struct.unpack_from("I", b, 192)[0]
-    return delivered, unacked, notsent, rto
+    last_ack = struct.unpack_from("I", b, 56)[0] / 1e3      # tcpi_last_ack_recv, ms
+    return delivered, unacked, notsent, rto, last_ack
 
 
 class RailStalled(CommError):
@@ -121,7 +124,7 @@ class Health:
                     else:
                         # segments in flight and none delivered: the path is black. (A slow
                         # receiver closes its window instead: nothing in flight, not a fault.)
-                        delivered, inflight, notsent, rto = tp
+                        delivered, inflight, notsent, rto, last_ack = tp
                         if delivered != conn.tcp_delivered or not inflight:
                             conn.tcp_delivered = delivered
                             conn.tcp_moved = now
@@ -132,7 +135,10 @@ class Health:
                         # TCP backs off (doubles) the current one, which would push the
                         # limit further out with every retransmission.
                         limit = max(limit, RTO_FACTOR * min(rto, conn.tcp_rto or rto))
-                        stuck = inflight and now - since > limit
+                        # ...and no ACK at all for as long: a congested or lossy rail still
+                        # returns (duplicate) ACKs while delivery waits on a retransmission;
+                        # a black hole returns nothing
+                        stuck = inflight and now - since > limit and last_ack > limit
                     if stuck:
                         self.suspect(conn, f"no progress for {(now - since) * 1e3:.0f} ms with "
                                            f"{conn.unacked} chunks outstanding (limit {limit * 1e3:.0f} ms)")

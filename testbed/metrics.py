@@ -224,11 +224,10 @@ def detection(f: dict, events: Sequence[dict], rails: Sequence[str], fault_rails
               until: float = math.inf) -> dict:
     """detection_ms of one rail-removing fault: for each rail the fault takes out, the first
     Nezha event of any rank saying that rail is down (``rail_down``, or ``rail_agreed`` if that
-    comes first) at or after t_applied (minus EARLY_TOL_S, since a rank can see the carrier drop
-    before the injector's netlink call returns) and before the next fault on that rail, minus
-    t_applied; the fault's value is the slowest of its rails (max), clamped at 0. None if any of
+    comes first) at or after the fault's start (``fault_start``: its first change, minus
+    EARLY_TOL_S) and before the next fault on that rail, minus that start; the fault's value is the slowest of its rails (max), clamped at 0. None if any of
     its rails has no such event. Also reports the first ``rail_agreed`` and ``rerouted``."""
-    T = f["t_applied"]
+    T = fault_start(f)
     out: dict[str, Any] = {"detection_ms": None, "by_rail": {}}
     worst: Optional[float] = 0.0
     for r in fault_rails:
@@ -266,6 +265,16 @@ def _event_rails(e: dict, rails: Sequence[str]) -> set:
     return found
 
 
+def fault_start(f: dict) -> float:
+    """When a fault began to take effect: when its first change was issued (``t_issued``).
+    A rail-wide fault takes one netlink change per link end, which can take tens of ms on a
+    loaded machine; a rank may see its own link go down before the last one is changed, so
+    times are measured from the first change, which counts the injection time against Nezha
+    rather than for it."""
+    ti = f.get("t_issued")
+    return ti if _num(ti) else f["t_applied"]
+
+
 def failover(f: dict, rates: Rates, fault_rails: Sequence[str], rails: Sequence[str],
              faults: Sequence[dict], windows: Sequence[tuple[float, float]],
              run_end: float, floor_bps: float = 0.0, onset_limit: Optional[float] = None) -> dict:
@@ -295,7 +304,7 @@ def failover(f: dict, rates: Rates, fault_rails: Sequence[str], rails: Sequence[
     the surviving rails carried nothing after the fault or never resumed before the run ended.
     If traffic resumed only after the fault window, the value is reported with a note (that is
     the link coming back, not a failover)."""
-    T = f["t_applied"]
+    T = fault_start(f)
     res: dict[str, Any] = {"failover_ms": None, "note": None}
     survivors = [r for r in rails if r not in fault_rails]
     if not survivors:

@@ -32,7 +32,7 @@ Choices (measured on veth with GSO/TSO on, iperf3 TCP, see tests/test_shaping.py
     made htb *less* accurate (and costs CPU).
   * quantum = 1 ms worth of bytes at the rate, clamped to [MTU + 14, 200000] (one class only,
     so it merely avoids htb's "quantum is big" warning).
-  * leaf pfifo, limit = max(100, 10 ms at the rate in MTU-sized packets): drop-tail, no AQM,
+  * leaf pfifo, limit = max(20, 10 ms at the rate in MTU-sized packets): drop-tail, no AQM,
     so the only losses are the ones asked for (fq_codel measured the same rate but drops by
     itself under a standing queue).
   * htb rates count L2 bytes (Ethernet header included), like a real link: TCP goodput at MTU
@@ -68,7 +68,7 @@ GSO_MAX_SIZE = 65536
 BURST_TIME_S = 0.004
 QUANTUM_TIME_S = 0.001
 QUEUE_TIME_S = 0.010
-MIN_QUEUE_PKTS = 100
+MIN_QUEUE_PKTS = 20
 UNSHAPED_RATE_BPS = 10_000_000_000   # what veth pushes unshaped; sizes netem's queue then
 NFT_MOD = 1_000_000
 U32_MAX = 0xFFFFFFFF
@@ -120,7 +120,7 @@ def htb_quantum(rate_bps: int, mtu: int = 1500) -> int:
 
 
 def fifo_limit(rate_bps: Optional[int], mtu: int = 1500) -> int:
-    """pfifo limit in packets: 10 ms of the rate in MTU-sized frames, at least 100. A shallow
+    """pfifo limit in packets: 10 ms of the rate in MTU-sized frames, at least 20. A shallow
     buffer, like a datacenter switch port: a deep one inflates the RTT under load (and with it
     TCP's retransmission timeout), which is what bounds how fast a black hole can be told
     from an ordinary loss."""

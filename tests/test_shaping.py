@@ -29,8 +29,10 @@ def test_htb_parameters():
     assert shaping.htb_quantum(500 * MBIT) == 62_500
     assert shaping.htb_quantum(1 * MBIT) == 1514
     assert shaping.htb_quantum(10_000 * MBIT) == 200_000
-    assert shaping.fifo_limit(50 * MBIT) == 1000
-    assert shaping.fifo_limit(1000 * MBIT) == 8257
+    # 10 ms of the rate in full frames, at least 20 packets
+    assert shaping.fifo_limit(50 * MBIT) == 42
+    assert shaping.fifo_limit(1000 * MBIT) == 826
+    assert shaping.fifo_limit(10 * MBIT) == 20
     kw = shaping.htb_class_kwargs(200 * MBIT + 3)
     assert kw["rate"] == kw["ceil"] == 25_000_000 and kw["burst"] == kw["cburst"]
 
@@ -42,7 +44,7 @@ def test_netem_message_round_trip():
     kw = netem_kwargs(shape)
     assert kw["delay"] == 10_000 and kw["jitter"] == 2_000 and kw["loss"] == pytest.approx(5.0)
     # limit covers the fifo plus twice rate x (delay + 4 jitter) in MTU frames
-    assert kw["limit"] >= 1000 + 2 * (100 * MBIT / 8 * 0.018 / 1514)
+    assert kw["limit"] >= shaping.fifo_limit(100 * MBIT) + 2 * (100 * MBIT / 8 * 0.018 / 1514)
     msg = tcmsg()
     msg["index"], msg["handle"], msg["parent"] = 1, 0x100000, CLASS_HANDLE
     msg["attrs"] = [["TCA_KIND", "netem"], ["TCA_OPTIONS", sched_netem.get_parameters(kw)]]
@@ -471,7 +473,7 @@ def test_netem_code_paths_message_building(monkeypatch):
         ("add", "netem", shaping.LEAF_HANDLE, CLASS_HANDLE)]
     netem = fake.calls[-1][4]
     assert netem["delay"] == 10_000 and netem["loss"] == pytest.approx(1.0)
-    assert netem["limit"] >= 1000
+    assert netem["limit"] >= shaping.MIN_QUEUE_PKTS
 
     fake.calls.clear()
     s.change(Shape(rate_bps=50 * MBIT, delay_s=0.020, jitter_s=0.002))   # all in place
