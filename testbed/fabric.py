@@ -192,8 +192,9 @@ class Fabric:
         self.state = RunState.new(self.topo.name, self.backend, self.topo.to_dict(),
                                   self.topo.raw)
         try:
-            with sigterm_as_interrupt():
+            with interrupts_at_checkpoints():
                 self._build()
+                checkpoint()
         except BaseException:
             self.teardown()
             raise
@@ -237,6 +238,7 @@ class Fabric:
     # ---------------------------------------------------------------- building
     def _namespace(self, suffix: str) -> str:
         assert self.state is not None
+        checkpoint()
         ns = self.state.ns_name(suffix)
         self.state.record_namespace(ns)
         netns.create(ns)
@@ -268,6 +270,7 @@ class Fabric:
                 br = ipr.link_lookup(ifname=BRIDGE)[0]
                 ipr.link("set", index=br, mtu=rail.mtu, state="up")
         for (h, r), spec_link in topo.links.items():
+            checkpoint()
             host_ns = self.state.ns_name(h)
             peer_ns, peer_if = self._peer_of(h, r)
             if peer_if is None:
@@ -285,6 +288,7 @@ class Fabric:
         topo = self.topo
         self._bind()
         for link in self._cables():
+            checkpoint()
             link.up_shaper.apply(link.shape, new_link=True)
             link.down_shaper.apply(link.shape, new_link=True)
         for link in self.links.values():
@@ -397,6 +401,42 @@ class Fabric:
                 "hosts": {h.name: {"namespace": h.ns, "addresses": h.addresses}
                           for h in self.hosts.values()},
                 "links": [l.describe() for l in self.links.values()]}
+
+
+_pending_signal: list[int] = []
+
+
+def checkpoint() -> None:
+    """Raise KeyboardInterrupt here if Ctrl-C or SIGTERM arrived during a build."""
+    if _pending_signal:
+        signum = _pending_signal.pop()
+        _pending_signal.clear()
+        raise KeyboardInterrupt(f"signal {signum}")
+
+
+@contextmanager
+def interrupts_at_checkpoints() -> Iterator[None]:
+    """During a build, SIGINT and SIGTERM only set a flag that ``checkpoint()`` turns into
+    KeyboardInterrupt between kernel operations. Raising from the signal handler itself can
+    land in an at-fork hook (pyroute2 forks to enter namespaces; logging hooks every fork),
+    where Python prints "Exception ignored" and the build carries on, leaving a fabric that
+    nobody asked for."""
+    owner = os.getpid()
+
+    def handler(signum, frame):
+        if os.getpid() != owner:  # a forked helper of pyroute2's
+            os._exit(128 + signum)
+        _pending_signal.append(signum)
+    try:
+        old = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+    except ValueError:  # not the main thread: leave signals alone
+        yield
+        return
+    try:
+        yield
+    finally:
+        for sig, h in old.items():
+            signal.signal(sig, h)
 
 
 @contextmanager

@@ -44,7 +44,7 @@ import subprocess
 
 from . import netns
 from .errors import FabricError
-from .fabric import BRIDGE, Fabric
+from .fabric import BRIDGE, Fabric, checkpoint
 from .spec import Topology
 
 log = logging.getLogger(__name__)
@@ -153,6 +153,7 @@ class MininetFabric(Fabric):
             self.nodes[h] = node
             self._name(h, node)
             self.progress(f"host {h} (mininet pid {node.pid})")
+            checkpoint()
         if topo.wiring == "switch":
             for i, rail in enumerate(topo.rails):
                 sw = net.addSwitch(f"sw-{rail.name}", cls=RailBridge, inNamespace=True,

@@ -312,9 +312,9 @@ class DirectionShaper:
                 if leaf == "netem":
                     self._tc("change", "netem", idx, LEAF_HANDLE, parent=CLASS_HANDLE,
                              **netem_kwargs(shape, self.mtu))
-                elif fifo_limit(shape.rate_bps, self.mtu) != fifo_limit(old.rate_bps, self.mtu):
-                    self._tc("change", "pfifo", idx, LEAF_HANDLE, parent=CLASS_HANDLE,
-                             limit=fifo_limit(shape.rate_bps, self.mtu))
+                # the fifo keeps its limit: shrinking it under a standing queue drops every new
+                # packet (ACKs included) until the old backlog drains - 100+ ms of silence
+                # that looks like a black hole; a rate fault changes the rate, nothing else
             elif root == "netem":
                 self._tc("change", "netem", idx, LEAF_HANDLE, parent=TC_H_ROOT,
                          **netem_kwargs(shape, self.mtu))
