@@ -415,20 +415,17 @@ def checkpoint() -> None:
 
 
 @contextmanager
-def interrupts_at_checkpoints() -> Iterator[None]:
-    """During a build, SIGINT and SIGTERM only set a flag that ``checkpoint()`` turns into
-    KeyboardInterrupt between kernel operations. Raising from the signal handler itself can
-    land in an at-fork hook (pyroute2 forks to enter namespaces; logging hooks every fork),
-    where Python prints "Exception ignored" and the build carries on, leaving a fabric that
-    nobody asked for."""
+def _signal_handlers(signals: tuple, on_signal: Callable[[int], None]) -> Iterator[None]:
+    """Route ``signals`` to ``on_signal`` in this process for the block; a forked helper of
+    pyroute2's (it forks to enter namespaces) that inherits the handler just exits."""
     owner = os.getpid()
 
     def handler(signum, frame):
-        if os.getpid() != owner:  # a forked helper of pyroute2's
+        if os.getpid() != owner:
             os._exit(128 + signum)
-        _pending_signal.append(signum)
+        on_signal(signum)
     try:
-        old = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+        old = {sig: signal.signal(sig, handler) for sig in signals}
     except ValueError:  # not the main thread: leave signals alone
         yield
         return
@@ -439,21 +436,19 @@ def interrupts_at_checkpoints() -> Iterator[None]:
             signal.signal(sig, h)
 
 
-@contextmanager
-def sigterm_as_interrupt() -> Iterator[None]:
-    """During a build, SIGTERM unwinds like Ctrl-C so the half-built fabric is removed."""
-    owner = os.getpid()
+def interrupts_at_checkpoints():
+    """During a build, SIGINT and SIGTERM only set a flag that ``checkpoint()`` turns into
+    KeyboardInterrupt between kernel operations. Raising from the signal handler itself can
+    land in an at-fork hook (pyroute2 forks to enter namespaces; logging hooks every fork),
+    where Python prints "Exception ignored" and the build carries on, leaving a fabric that
+    nobody asked for."""
+    return _signal_handlers((signal.SIGINT, signal.SIGTERM), _pending_signal.append)
 
-    def handler(signum, frame):
-        if os.getpid() != owner:  # a forked helper (pyroute2 forks to enter namespaces)
-            os._exit(128 + signum)
-        raise KeyboardInterrupt(f"signal {signum}")
-    try:
-        old = signal.signal(signal.SIGTERM, handler)
-    except ValueError:  # not the main thread: leave signals alone
-        yield
-        return
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, old)
+
+def _raise_interrupt(signum: int) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def sigterm_as_interrupt():
+    """During a run, SIGTERM unwinds like Ctrl-C so everything built is removed."""
+    return _signal_handlers((signal.SIGTERM,), _raise_interrupt)
