@@ -8,9 +8,12 @@ All used rails should finish together::
 
 Estimates:
   * b_r (seconds per byte) is measured by the *receiver*: for every rail share of at least
-    ``B_MIN_BYTES`` it times first header arrival -> last byte in; the estimate is total
-    time / total bytes over the last samples without the extreme two. Receiver-side timing
-    is immune to ACK queueing behind bulk data.
+    ``B_MIN_BYTES`` it takes the bytes that reached the socket (read + still in the kernel's
+    receive queue, SIOCINQ) between the share's first header and its last byte, over that
+    time. Counting arrivals rather than reads matters: bytes that waited in the queue while
+    the reader thread was busy would otherwise look free and make a fast rail look up to 25 %
+    faster than it is. Receiver-side timing is immune to ACK queueing behind bulk data. The
+    estimate is total time / total bytes over the middle half of the last samples.
   * a_r (start-up seconds) is measured by the *sender* from small messages: send start ->
     ACK (minus s*b_r), minimum of the last samples (queueing only ever inflates a sample).
     Until measured it is ``A_NOMINAL``.
@@ -146,13 +149,15 @@ class RailEstimator:
 
     @property
     def b(self) -> float:
-        """Seconds per byte over the window, as total time / total bytes after dropping the
-        fastest and slowest sample (large shares weigh more, single outliers do not)."""
+        """Seconds per byte over the window, as total time / total bytes of the middle half
+        of the samples by rate (from 4 samples on; large shares weigh more, outliers do not:
+        a sender that paused mid-share makes a slow one, a short burst a fast one)."""
         if not self.b_window:
             return float("nan")
         w = sorted(self.b_window, key=lambda x: x[1] / x[0])
         if len(w) >= 4:
-            w = w[1:-1]
+            cut = len(w) // 4
+            w = w[cut:len(w) - cut]
         return sum(t for _, t in w) / sum(n for n, _ in w)
 
     def reset(self):

@@ -17,6 +17,7 @@ import threading
 import time
 
 from . import wire
+from .balance import B_MIN_BYTES
 from .errors import (AllRailsDownError, CommError, CommTimeout, MismatchError, PeerAbortedError,
                      PeerClosedError, ProtocolError)
 
@@ -24,11 +25,13 @@ A_SAMPLE_MAX = 64 << 10
 ACK_PROGRESS = 2     # ACK.op_total: 0 = delivered, 1 = delivered after staging, 2 = progress only
 OP_WINDOW = 64
 _DEBUG_SAMPLES = bool(__import__('os').environ.get('NEZHA_DEBUG_SAMPLES'))
+_TRACE = bool(__import__('os').environ.get('NEZHA_TRACE'))   # a tx/rx event per chunk
 
 
 class RecvSlot:
     __slots__ = ("key", "view", "total", "kind", "dtype", "redop", "op_total", "aux", "done",
-                 "got", "frames", "first", "last", "rbytes", "writers", "complete", "t_post")
+                 "got", "frames", "first", "last", "rbytes", "writers", "complete", "t_post",
+                 "afirst", "alast")
 
     def __init__(self, key, view, kind, dtype, redop, op_total, aux):
         self.key = key
@@ -41,6 +44,8 @@ class RecvSlot:
         self.first: dict[int, float] = {}
         self.last: dict[int, float] = {}
         self.rbytes: dict[int, int] = {}
+        self.afirst: dict[int, int] = {}   # the connection's arrived() at first / last
+        self.alast: dict[int, int] = {}
         self.writers = 0
         self.complete = False
         self.t_post = time.monotonic()
@@ -168,7 +173,7 @@ class Engine:
             for k in [k for k in self.sends if k[0] <= op_id]:
                 del self.sends[k]
             for k in [k for k in self.staged if k[0] <= op_id]:
-                for _, buf, _, _ in self.staged.pop(k):
+                for _, buf, *_ in self.staged.pop(k):
                     self.staged_bytes -= len(buf)
             self.done_op = op_id
         self.balancer.note_op()
@@ -179,7 +184,7 @@ class Engine:
         err = None
         with self.cond:
             self.slots[key] = slot
-            for h, buf, t1, t2 in self.staged.pop(key, ()):
+            for h, buf, t1, t2, a1, a2 in self.staged.pop(key, ()):
                 self.staged_bytes -= len(buf)
                 if err is None:
                     try:
@@ -189,7 +194,7 @@ class Engine:
                         continue
                     if h.offset not in slot.done:
                         view[h.offset:h.offset + h.length] = buf
-                        self._mark(slot, h, t1, t2)
+                        self._mark(slot, h, t1, t2, a1, a2)
                 conn = self.conns.get((src, h.rail))
                 if conn is not None:
                     self._ack(conn, h, True)
@@ -212,7 +217,7 @@ class Engine:
                              f"{self.rank} does not expect (different collective, root or "
                              f"world view)")
 
-    def _mark(self, slot, h, t_first, t_end):
+    def _mark(self, slot, h, t_first, t_end, a_first=0, a_end=0):
         slot.frames += 1
         if h.offset in slot.done:
             return
@@ -222,8 +227,9 @@ class Engine:
         slot.got += h.length
         r = h.rail
         if r not in slot.first or t_first < slot.first[r]:
-            slot.first[r] = t_first
-        slot.last[r] = max(slot.last.get(r, 0.0), t_end)
+            slot.first[r], slot.afirst[r] = t_first, a_first
+        if t_end >= slot.last.get(r, 0.0):
+            slot.last[r], slot.alast[r] = t_end, a_end
         slot.rbytes[r] = slot.rbytes.get(r, 0) + h.length
         if r < len(self.events.rails):
             c = self.events.rails[r]
@@ -232,10 +238,17 @@ class Engine:
         if slot.got == slot.total and slot.frames >= 1:
             slot.complete = True
             for rr, nb in slot.rbytes.items():
-                self.balancer.record_b(rr, nb, slot.last[rr] - slot.first[rr])
+                # the rail's arrival rate while this share came in: bytes that reached the
+                # socket between its first header and its last byte (not the bytes we read:
+                # some may have queued before the first header, others after it)
+                arrived = slot.alast[rr] - slot.afirst[rr]
+                seconds = slot.last[rr] - slot.first[rr]
+                if nb >= B_MIN_BYTES and arrived >= B_MIN_BYTES // 2:
+                    self.balancer.record_b(rr, arrived, seconds)
                 if _DEBUG_SAMPLES:
-                    self.events.emit("b_sample", rail=rr, bytes=nb, seconds=slot.last[rr] - slot.first[rr],
-                                     since_post=slot.last[rr] - slot.t_post, op=slot.key[0], step=slot.key[1])
+                    self.events.emit("b_sample", rail=rr, bytes=nb, arrived=arrived,
+                                     seconds=seconds, since_post=slot.last[rr] - slot.t_post,
+                                     op=slot.key[0], step=slot.key[1])
             self.cond.notify_all()
 
     def send(self, dst, op_id, step, view, kind, dtype, redop, op_total, aux=0, elem=1) -> SendMsg:
@@ -325,6 +338,9 @@ class Engine:
         return hdr, msg.view[ch.offset:ch.offset + ch.length]
 
     def after_send(self, conn, ch: SendChunk):
+        if _TRACE:
+            self.events.emit("tx", rail=conn.rail, peer=conn.peer, op=ch.msg.key[0],
+                             step=ch.msg.key[1], off=ch.offset, len=ch.length, t0=ch.t_send)
         c = self.events.rails[conn.rail]
         c.bytes_sent += ch.length
         c.chunks_sent += 1
@@ -367,7 +383,10 @@ class Engine:
             slot.writers -= 1
             # queue the ACK before the op can complete (and the app close the connection)
             self._ack(conn, h, False)
-            self._mark(slot, h, conn.t_hdr, now)
+            self._mark(slot, h, conn.t_hdr, now, conn.arr_hdr, conn.arr_end)
+            if _TRACE:
+                self.events.emit("rx", rail=conn.rail, peer=conn.peer, op=h.op_id, step=h.step,
+                                 off=h.offset, len=h.length, t0=conn.t_hdr)
             if slot.writers == 0:
                 self.cond.notify_all()
 
@@ -384,7 +403,7 @@ class Engine:
                 self._ack(conn, h, False)
                 if h.offset not in slot.done:
                     slot.view[h.offset:h.offset + h.length] = buf
-                    self._mark(slot, h, conn.t_hdr, now)
+                    self._mark(slot, h, conn.t_hdr, now, conn.arr_hdr, conn.arr_end)
                 ack = False
             elif h.op_id <= self.done_op:    # late duplicate of a finished op
                 ack = True
@@ -395,7 +414,8 @@ class Engine:
                 # completing the chunk: that ACK comes when the receive is posted
                 conn.put(wire.pack(wire.ACK, h.kind, 0, 0, conn.rail, self.rank, h.length, h.op_id,
                                    h.step, h.chunk, h.offset, 0, h.msg_total, ACK_PROGRESS))
-                self.staged.setdefault(key, []).append((h, buf, conn.t_hdr, now))
+                self.staged.setdefault(key, []).append((h, buf, conn.t_hdr, now, conn.arr_hdr,
+                                                        conn.arr_end))
                 self.staged_bytes += len(buf)
                 if self.staged_bytes > self.staging_limit:
                     err = ProtocolError(f"staging area overflow ({self.staged_bytes} bytes "

@@ -6,8 +6,11 @@
 
 Every flag also comes from the environment (NEZHA_RANK, NEZHA_WORLD_SIZE, NEZHA_RAILS,
 NEZHA_MASTER or NEZHA_MASTER_ADDR + NEZHA_MASTER_PORT, NEZHA_SYSTEM, NEZHA_SIZE,
-NEZHA_ITERATIONS, NEZHA_DURATION, NEZHA_DTYPE, NEZHA_OP, NEZHA_EVENT_LOG, NEZHA_RESULTS,
+NEZHA_ITERATIONS, NEZHA_WARMUP, NEZHA_DURATION, NEZHA_DTYPE, NEZHA_OP, NEZHA_EVENT_LOG, NEZHA_RESULTS,
 NEZHA_TIMEOUT).
+
+Every iteration starts with a barrier (not timed), so its time is the collective's, not the
+ranks' skew on entry.
 
 Data: element i of rank r in iteration k is base[i] + c(r, k) (small integers; for prod,
 base[i] * s(r, k) with s = +-1), so the exact result is known in closed form and every
@@ -15,7 +18,12 @@ element is checked. --results gets one JSON line per iteration::
 
     {"iter": k, "t_start": mono, "t_end": mono, "seconds": .., "bytes": size, "ok": bool,
      "mismatches": n, "rail_bytes": {"0": bytes sent on rail 0 in this iteration, ...},
-     "rank": r, "system": s}
+     "rank": r, "system": s, "warmup": bool}
+
+--warmup N runs N iterations first (verified like the rest, marked ``"warmup": true`` and left
+out of the summary's timings; --iterations and --duration count from after them), as
+nccl-tests' -w does: a fresh process's first operation pays for TCP slow start and Nezha's
+cold start.
 
 and a last line ``{"summary": true, "iterations", "ok", "failed_iterations", "mismatches",
 "mean_s", "algbw_Bps", "busbw_Bps", "rail_bytes", "shares", "state", "exit_code"}``.
@@ -63,6 +71,8 @@ def build_parser():
     p.add_argument("--size", default=env("NEZHA_SIZE", "16M"), help="bytes per allreduce (16M, 4096...)")
     p.add_argument("--iterations", type=int, default=env("NEZHA_ITERATIONS"))
     p.add_argument("--duration", type=float, default=env("NEZHA_DURATION"))
+    p.add_argument("--warmup", type=int, default=int(env("NEZHA_WARMUP", 0)),
+                   help="iterations run first and left out of the timings")
     p.add_argument("--dtype", default=env("NEZHA_DTYPE", "float32"))
     p.add_argument("--op", default=env("NEZHA_OP", "sum"))
     p.add_argument("--events", default=env("NEZHA_EVENT_LOG"))
@@ -116,6 +126,9 @@ def run(a) -> int:
         return EXIT_CONFIG
     if a.iterations is None and a.duration is None:
         a.iterations = 10
+    if a.warmup < 0:
+        print(f"nezha.worker: --warmup {a.warmup} is negative", file=sys.stderr)
+        return EXIT_CONFIG
     size = parse_size(a.size)
     dt = np.dtype(a.dtype)
     if size % dt.itemsize:
@@ -141,6 +154,9 @@ def run(a) -> int:
     try:
         while True:
             pat.fill(buf, ctx.rank, k)
+            # start together: otherwise a rank that finished verifying early times its wait for
+            # the others as part of the collective
+            ctx.barrier()
             before = ctx.rail_bytes()
             t0 = time.monotonic()
             ctx.allreduce(buf, op=a.op)
@@ -150,12 +166,19 @@ def run(a) -> int:
             total_mis += mis
             if mis:
                 bad_iters.append(k)
-            times.append(t1 - t0)
+            warm = k < a.warmup
+            if not warm:
+                times.append(t1 - t0)
             emit({"iter": k, "t_start": t0, "t_end": t1, "seconds": t1 - t0, "bytes": size,
                   "ok": mis == 0, "mismatches": mis, "rank": ctx.rank, "system": a.system,
-                  "rail_bytes": {r: after[r] - before.get(r, 0) for r in after}})
+                  "warmup": warm, "rail_bytes": {r: after[r] - before.get(r, 0) for r in after}})
             k += 1
-            if a.iterations is not None and k >= a.iterations:
+            if warm:
+                if k == a.warmup:       # timings, duration and rail bytes start here
+                    t_begin = time.monotonic()
+                    rb0 = dict(ctx.rail_bytes())
+                continue
+            if a.iterations is not None and k >= a.iterations + a.warmup:
                 break
             if a.duration is not None:
                 stop = np.array([1 if time.monotonic() - t_begin >= a.duration else 0], dtype=np.int32)
@@ -173,7 +196,8 @@ def run(a) -> int:
     algbw = size / mean if mean > 0 else 0.0
     rb = {r: v - rb0.get(r, 0) for r, v in ctx.rail_bytes().items()} if hasattr(ctx, "events") else {}
     code = EXIT_WRONG if bad_iters else EXIT_OK
-    emit({"summary": True, "iterations": k, "ok": not bad_iters, "failed_iterations": bad_iters,
+    emit({"summary": True, "iterations": k, "warmup": min(k, a.warmup), "ok": not bad_iters,
+          "failed_iterations": bad_iters,
           "mismatches": total_mis, "mean_s": mean, "algbw_Bps": algbw,
           "busbw_Bps": algbw * 2 * (n - 1) / n if n > 1 else algbw, "rail_bytes": rb,
           "shares": stats.get("shares"), "state": stats.get("state"), "rank": ctx.rank,

@@ -36,7 +36,17 @@ class Capabilities:
     mptcp: bool = False
     iperf3: bool = False
     mnexec: bool = False
+    congestion_controls: tuple = ()   # TCP congestion control algorithms the kernel has loaded
     details: dict = field(default_factory=dict, compare=False)  # feature -> why (or what)
+
+    def congestion_control(self, topo) -> Optional[str]:
+        """The TCP congestion control the run's sockets use: the topology's
+        ``tcp.congestion_control``, else cubic (Linux's default, so results do not depend on what
+        this machine's root namespace was set to), else None (the kernel's default)."""
+        cc = topo.tcp.get("congestion_control")
+        if cc:
+            return cc
+        return "cubic" if "cubic" in self.congestion_controls else None
 
     @property
     def loss_method(self) -> Optional[str]:
@@ -374,4 +384,10 @@ def _probe() -> Capabilities:
                 netns.remove(ns)
             except Exception:
                 pass
-    return Capabilities(**{k: bool(res.get(k, False)) for k in FEATURES}, details=details)
+    try:
+        with open("/proc/sys/net/ipv4/tcp_available_congestion_control") as f:
+            ccs = tuple(f.read().split())
+    except OSError:
+        ccs = ()
+    return Capabilities(**{k: bool(res.get(k, False)) for k in FEATURES}, details=details,
+                        congestion_controls=ccs)

@@ -20,7 +20,7 @@ from typing import Any, Iterable, Optional, Sequence
 import numpy as np
 
 from .measure import Rates, Samples, rail_name
-from .scenario import METRICS, SHARE_PREFIX
+from .scenario import METRICS, SHARE_PREFIX, sized_metric
 
 BIN_S = 0.02             # goodput bin
 STALL_FRACTION = 0.3     # a bin is a traffic gap below this fraction of the active level
@@ -69,6 +69,7 @@ def iteration_table(iterations: Iterable[dict], world: Optional[int] = None) -> 
                "ranks": n, "ranks_done": len(ranks_done),
                "complete": len(ranks_done) >= n,
                "ok": all(r.get("ok") is not False for r in recs),
+               "warmup": any(r.get("warmup") for r in recs),
                "wrong_records": sum(1 for r in recs if r.get("ok") is False),
                "t_start": min((r["t_start"] for r in done), default=None),
                "t_end": max((r["t_end"] for r in done), default=None),
@@ -117,10 +118,11 @@ def busbw_bps(nbytes: float, ranks: int, latency_s: float) -> Optional[float]:
 
 
 def busbw_by_system(table: Sequence[dict]) -> dict[str, dict[int, dict]]:
-    """{system: {bytes: {median_mbps, n, median_latency_ms}}} over complete iterations."""
+    """{system: {bytes: {median_mbps, n, median_latency_ms}}} over complete iterations, not
+    counting warm-up ones."""
     acc: dict[str, dict[int, list[tuple[float, float]]]] = {}
     for r in table:
-        if not r["complete"] or r["latency_s"] is None:
+        if not r["complete"] or r["latency_s"] is None or r.get("warmup"):
             continue
         bw = busbw_bps(r["bytes"], r["ranks"], r["latency_s"])
         if bw is None:
@@ -457,18 +459,25 @@ def recovery(heal_t: float, ref_t: float, rates: Rates, fault_rails: Sequence[st
 # ------------------------------------------------------------------------------- compute
 def _windows(scenario, iterations: Sequence[dict], extra: dict, main: Optional[str],
              span: tuple[float, float]) -> list[tuple[float, float]]:
-    """Intervals during which the workload of the main system ran."""
+    """Intervals during which the workload of the main system ran, each starting after its
+    warm-up iterations (the last rank's end of the last one)."""
     phases = [p for p in extra.get("phases") or () if _num(p.get("t_start")) and
               _num(p.get("t_end")) and (main is None or p.get("system") in (main, None))]
-    if phases:
-        return [(p["t_start"], p["t_end"]) for p in phases]
     recs = [r for r in iterations if _num(r.get("t_start")) and _num(r.get("t_end"))
             and (main is None or r.get("system") in (main, None))]
-    if recs:
-        return [(min(r["t_start"] for r in recs), max(r["t_end"] for r in recs))]
-    if all(math.isfinite(x) for x in span):
+    if phases:
+        out = [(p["t_start"], p["t_end"]) for p in phases]
+    elif recs:
+        out = [(min(r["t_start"] for r in recs), max(r["t_end"] for r in recs))]
+    elif all(math.isfinite(x) for x in span):
         return [span]
-    return []
+    else:
+        return []
+    warm = [r for r in recs if r.get("warmup")]
+    if warm:
+        out = [(max([a] + [r["t_end"] for r in warm if a <= r["t_start"] <= b]), b)
+               for a, b in out]
+    return out
 
 
 def _main_system(scenario, table: Sequence[dict]) -> Optional[str]:
@@ -515,7 +524,8 @@ def compute(topo, scenario, samples: Optional[Samples], iterations: Sequence[dic
       link-up after a link-down) on rails that were taken out or degraded.
     * iterations, iterations_lost, wrong_results: see ``iteration_counts``.
     * busbw_vs_single_rail = busbw of the main system / busbw of system "single" at the largest
-      message size both ran (compare workload), or / ``extra['single_rail_busbw_mbps']``.
+      message size both ran (compare workload), or / ``extra['single_rail_busbw_mbps']``;
+      busbw_vs_single_rail.<size> (e.g. .16MiB) the same ratio at each size both ran.
     * busbw_vs_rail_sum = busbw_mbps / sum over rails of their nominal rate (slowest link of
       each rail), None if a rail is unshaped.
     * rank_errors = ``extra['rank_errors']`` (a count, or a list whose length is taken).
@@ -560,6 +570,9 @@ def compute(topo, scenario, samples: Optional[Samples], iterations: Sequence[dic
             s = max(common)
             single = bw["single"][s]["median_mbps"]
             out["busbw_vs_single_rail"] = bw[main][s]["median_mbps"] / single
+    if "single" in bw and main in bw and main != "single":
+        for s in sorted(set(bw["single"]) & set(bw[main])):
+            out[sized_metric(s)] = bw[main][s]["median_mbps"] / bw["single"][s]["median_mbps"]
     if out["busbw_vs_single_rail"] is None and _num(extra.get("single_rail_busbw_mbps")) \
             and out["busbw_mbps"] is not None and extra["single_rail_busbw_mbps"] > 0:
         out["busbw_vs_single_rail"] = out["busbw_mbps"] / extra["single_rail_busbw_mbps"]

@@ -23,7 +23,7 @@ from typing import Any, Optional, Sequence
 import numpy as np
 import yaml
 
-from .scenario import METRICS, SHARE_PREFIX
+from .scenario import METRICS, SHARE_PREFIX, SIZED_PREFIX
 from .verdict import Verdict, format_value
 
 
@@ -271,7 +271,8 @@ def summary_table(metrics: dict, verdict: Verdict) -> str:
     rows = [(r.metric, r.expected, format_value(r.metric, r.measured), r.status)
             for r in verdict.rows]
     judged = {r.metric for r in verdict.rows}
-    for m in list(METRICS) + sorted(k for k in metrics if k.startswith(SHARE_PREFIX)):
+    for m in list(METRICS) + sorted(k for k in metrics if k.startswith(SHARE_PREFIX)) + [
+            k for k in metrics if k.startswith(SIZED_PREFIX)]:
         if m not in judged and metrics.get(m) is not None:
             rows.append((m, "-", format_value(m, metrics[m]), ""))
     head = ("metric", "expected", "measured", "result")

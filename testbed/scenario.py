@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from .errors import SpecError
-from .units import parse_duration, parse_percent, parse_rate, parse_size
+from .units import format_size, parse_duration, parse_percent, parse_rate, parse_size
 
 WORKLOAD_KINDS = ("allreduce", "sweep", "compare", "command", "none")
 SYSTEMS = ("nezha", "single", "stripe", "mptcp", "gloo")
@@ -43,6 +43,7 @@ METRICS: dict[str, str] = {
     "rank_errors": "ranks that exited with an error",
 }
 SHARE_PREFIX = "rail_share."   # rail_share.r0: {min: 0.7, max: 0.8}
+SIZED_PREFIX = "busbw_vs_single_rail."   # busbw_vs_single_rail.16MiB: {min: 1.8} (compare)
 
 
 @dataclass(frozen=True)
@@ -72,6 +73,7 @@ class Workload:
     sizes: tuple[int, ...] = ()
     duration: Optional[float] = None
     iterations: Optional[int] = None
+    warmup: int = 0           # iterations run and verified first, left out of timings and shares
     system: str = "nezha"
     systems: tuple[str, ...] = ()
     dtype: str = "float32"
@@ -149,8 +151,8 @@ def parse_workload(raw: Any, topo) -> Optional[Workload]:
         return None
     f = "workload"
     raw = _mapping(raw, f, "a mapping such as {kind: allreduce, size: 16MiB, duration: 10s}")
-    _keys(raw, ("kind", "size", "sizes", "duration", "iterations", "system", "systems", "dtype",
-                "op", "hosts", "command", "timeout"), f)
+    _keys(raw, ("kind", "size", "sizes", "duration", "iterations", "warmup", "system", "systems",
+                "dtype", "op", "hosts", "command", "timeout"), f)
     kind = _choice(raw.get("kind", "allreduce"), WORKLOAD_KINDS, f"{f}.kind")
     kw: dict[str, Any] = {"kind": kind}
     if "size" in raw:
@@ -165,6 +167,13 @@ def parse_workload(raw: Any, topo) -> Optional[Workload]:
         kw["duration"] = parse_duration(raw["duration"], f"{f}.duration", allow_zero=False)
     if "iterations" in raw:
         kw["iterations"] = _int(raw["iterations"], f"{f}.iterations")
+    if "warmup" in raw:
+        if kind in ("command", "none"):
+            raise SpecError(f"{f}.warmup", f"not used with kind: {kind}",
+                            "kind: allreduce, sweep or compare, or no warmup key")
+        kw["warmup"] = _int(raw["warmup"], f"{f}.warmup", minimum=0)
+    elif kind in ("compare", "sweep"):
+        kw["warmup"] = 1          # a fresh process's first op pays for TCP slow start
     if "system" in raw:
         kw["system"] = _choice(raw["system"], SYSTEMS, f"{f}.system")
     if "systems" in raw:
@@ -249,19 +258,37 @@ def parse_faults(raw: Any, topo) -> tuple[Fault, ...]:
     return tuple(sorted(faults, key=lambda x: (x.at, x.index)))
 
 
-def parse_expect(raw: Any, topo) -> tuple[Expectation, ...]:
+def sized_metric(nbytes: int) -> str:
+    """The per-size ratio's metric name, e.g. busbw_vs_single_rail.16MiB."""
+    return SIZED_PREFIX + format_size(nbytes)
+
+
+def parse_expect(raw: Any, topo, workload: Optional[Workload] = None) -> tuple[Expectation, ...]:
     if raw is None:
         return ()
     raw = _mapping(raw, "expect", "a mapping such as {failover_ms: {max: 200}, wrong_results: 0}")
     rails = [r.name for r in topo.rails]
+    sizes = workload.sizes if workload is not None and workload.kind == "compare" else ()
     out = []
     for metric, bound in raw.items():
         f = f"expect.{metric}"
-        known = metric in METRICS or (str(metric).startswith(SHARE_PREFIX)
-                                      and str(metric)[len(SHARE_PREFIX):] in rails)
+        metric = str(metric)
+        known = metric in METRICS or (metric.startswith(SHARE_PREFIX)
+                                      and metric[len(SHARE_PREFIX):] in rails)
+        if not known and metric.startswith(SIZED_PREFIX):
+            valid = ", ".join(sized_metric(n) for n in sizes) or "none: needs a compare workload"
+            try:
+                n = parse_size(metric[len(SIZED_PREFIX):], f)
+            except SpecError:
+                n = None
+            if n not in sizes:
+                raise SpecError(f, "not a message size of this compare workload",
+                                f"one of: {valid}")
+            metric, known = sized_metric(n), True
         if not known:
             raise SpecError(f, "unknown metric", "one of: " + ", ".join(METRICS)
-                            + ", " + ", ".join(SHARE_PREFIX + r for r in rails))
+                            + ", " + ", ".join(SHARE_PREFIX + r for r in rails)
+                            + ", " + SIZED_PREFIX + "SIZE (compare)")
         if isinstance(bound, (int, float)) and not isinstance(bound, bool):
             out.append(Expectation(metric, float(bound), float(bound)))
             continue
@@ -291,9 +318,10 @@ def parse_capture(raw: Any) -> tuple[bool, int]:
 def build(topo) -> Scenario:
     s = topo.sections
     cap, cap_mb = parse_capture(s.get("capture"))
-    return Scenario(workload=parse_workload(s.get("workload"), topo),
-                    faults=parse_faults(s.get("faults"), topo),
-                    expect=parse_expect(s.get("expect"), topo), capture=cap, capture_mb=cap_mb)
+    workload = parse_workload(s.get("workload"), topo)
+    return Scenario(workload=workload, faults=parse_faults(s.get("faults"), topo),
+                    expect=parse_expect(s.get("expect"), topo, workload), capture=cap,
+                    capture_mb=cap_mb)
 
 
 def validate(topo) -> None:

@@ -284,10 +284,16 @@ def parse(doc: Any, source: Optional[str] = None, default_name: str = "topology"
                                             shape=links[(host, rname)].shape)
 
     tcp = _require_mapping(doc.get("tcp") or {}, "tcp", "a mapping such as {rto_min: 10ms}")
-    _check_keys(tcp, ("rto_min",), "tcp")
+    _check_keys(tcp, ("rto_min", "congestion_control"), "tcp")
     tcp_parsed = {}
     if "rto_min" in tcp:
         tcp_parsed["rto_min_s"] = parse_duration(tcp["rto_min"], "tcp.rto_min", allow_zero=False)
+    if "congestion_control" in tcp:
+        cc = tcp["congestion_control"]
+        if not isinstance(cc, str) or not re.fullmatch(r"[a-z0-9_]{1,15}", cc):
+            raise SpecError("tcp.congestion_control", f"{cc!r} is not a congestion control name",
+                            "a name such as cubic, reno, bbr or dctcp")
+        tcp_parsed["congestion_control"] = cc
 
     description = doc.get("description", "")
     if not isinstance(description, str):
@@ -334,6 +340,12 @@ def check_capabilities(topo: Topology, caps) -> None:
                     f"{what} needs the kernel's netem qdisc (sch_netem), which this kernel lacks",
                     "no delay/jitter on this machine, or a kernel with sch_netem "
                     "(e.g. the Vagrant VM); loss still works through nftables")
+    cc = topo.tcp.get("congestion_control")
+    if cc and caps.congestion_controls and cc not in caps.congestion_controls:
+        raise CapabilityError("tcp.congestion_control",
+                              f"{cc!r} is not available in this kernel",
+                              f"one of: {', '.join(caps.congestion_controls)} (or load its "
+                              f"module first: modprobe tcp_{cc})")
     if not caps.nftables and not caps.netem:
         for link in topo.links.values():
             if link.shape.loss:

@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Optional, Sequence
 
-from .scenario import SHARE_PREFIX, Expectation
+from .scenario import SHARE_PREFIX, SIZED_PREFIX, Expectation
 
 UNITS = {"failover_ms": "ms", "detection_ms": "ms", "recovery_ms": "ms", "busbw_mbps": "Mbit/s"}
 
@@ -104,8 +104,10 @@ def judge(expectations: Sequence[Expectation], metrics: dict,
         ok = e.holds(value) if isinstance(value, (int, float)) or value is None else False
         note = ""
         if value is None:
-            why = notes.get(e.metric) or (notes.get("rail_share")
-                                          if e.metric.startswith(SHARE_PREFIX) else None)
+            why = notes.get(e.metric) or (
+                notes.get("rail_share") if e.metric.startswith(SHARE_PREFIX) else
+                notes.get("busbw_vs_single_rail") or "that size was not run by both systems"
+                if e.metric.startswith(SIZED_PREFIX) else None)
             note = "not measured" + (f": {why}" if why else "")
         elif e.metric in notes:
             note = notes[e.metric]

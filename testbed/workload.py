@@ -106,6 +106,9 @@ class WorkloadRunner:
         self.current: list[RankProcess] = []
         self._port = BASE_PORT
         self._mptcp_ready = False
+        from .capabilities import probe
+        # every rank's sockets use it (NEZHA_TCP_CONGESTION), whatever the namespace default
+        self.congestion = probe().congestion_control(fabric.topo)
 
     def env_for(self, host: str, rank: int, port: int, phase: Phase, events: Path,
                 results: Path) -> dict:
@@ -123,6 +126,8 @@ class WorkloadRunner:
                                                          os.environ.get("PYTHONPATH")])),
             "PYTHONUNBUFFERED": "1",
         })
+        if self.congestion:
+            env["NEZHA_TCP_CONGESTION"] = self.congestion
         return env
 
     def argv(self, phase: Phase) -> list[str]:
@@ -131,6 +136,8 @@ class WorkloadRunner:
             return list(w.command)
         argv = [sys.executable, "-m", "nezha.worker", "--system", phase.system,
                 "--size", str(phase.size), "--dtype", w.dtype, "--op", w.op]
+        if w.warmup:
+            argv += ["--warmup", str(w.warmup)]
         if phase.iterations:
             argv += ["--iterations", str(phase.iterations)]
         elif phase.duration:

@@ -270,6 +270,33 @@ def test_busbw_vs_single_rail_from_a_compare():
     assert m["busbw_vs_single_rail"] == pytest.approx(2.0, rel=0.02)
 
 
+def test_per_size_ratios_and_warmup_left_out_of_timings():
+    def phase(system, ph, size, dur, t):
+        recs = iteration_records(n=4, dur=dur, t=t)
+        for r in recs:
+            r.update(system=system, phase=ph, bytes=size, warmup=r["iter"] == 0)
+            if r["iter"] == 0:        # a slow first (warm-up) iteration
+                r["t_end"] += 5 * dur
+        return recs
+    recs = (phase("nezha", 0, 4096, 0.01, 0) + phase("single", 1, 4096, 0.011, 2)
+            + phase("nezha", 2, 16 << 20, 0.1, 4) + phase("single", 3, 16 << 20, 0.2, 7))
+    topo = spec.loads("hosts: 2\nrails: [{name: r0, bandwidth: 100mbit}, "
+                      "{name: r1, bandwidth: 100mbit}]\n"
+                      "workload: {kind: compare, sizes: [4KiB, 16MiB], systems: [nezha, single]}\n"
+                      "expect: {busbw_vs_single_rail.16MiB: {min: 1.8}, "
+                      "busbw_vs_single_rail.4KiB: {min: 1.2}}\n")
+    sc = build_scenario(topo)
+    m = metrics.compute(topo, sc, None, recs, [], [], t0=0.0)
+    assert m["busbw_vs_single_rail.16MiB"] == pytest.approx(2.0, rel=0.02)
+    assert m["busbw_vs_single_rail.4KiB"] == pytest.approx(1.1, rel=0.02)
+    assert m["busbw_vs_single_rail"] == m["busbw_vs_single_rail.16MiB"]   # the largest size
+    # the warm-up iterations (6x slower) do not count: the median is of the other three
+    expected = (16 << 20) * 8 / 0.1 / 1e6
+    assert m["busbw_mbps"] == pytest.approx(expected, rel=0.02)
+    v = verdict.judge(sc.expect, m)
+    assert [r.ok for r in v.rows] == [True, False]      # 1.1 < 1.2: the small size fails
+
+
 def test_jsonl_loading_tolerates_a_killed_writer(tmp_path):
     p = tmp_path / "r.jsonl"
     p.write_text('{"rank": 0, "iter": 0, "t_start": 1, "t_end": 2, "ok": true, "new": 1}\n'

@@ -80,6 +80,18 @@ BAD = [
     ("hosts: 2\nrails: [{name: r0}]\nexpect: {speed: 3}\n", "expect.speed", "failover_ms"),
     ("hosts: 2\nrails: [{name: r0}]\nworkload: {kind: allreduce, size: huge}\n",
      "workload.size", "MiB"),
+    ("hosts: 2\nrails: [{name: r0}]\ntcp: {congestion_control: 'cubic; rm'}\n",
+     "tcp.congestion_control", "cubic, reno, bbr"),
+    ("hosts: 2\nrails: [{name: r0}]\nworkload: {kind: allreduce, warmup: -1}\n",
+     "workload.warmup", ">= 0"),
+    ("hosts: 2\nrails: [{name: r0}]\nworkload: {kind: command, command: 'true', warmup: 2}\n",
+     "workload.warmup", "kind: allreduce, sweep or compare"),
+    ("hosts: 2\nrails: [{name: r0}]\nworkload: {kind: compare, sizes: [4KiB, 16MiB]}\n"
+     "expect: {busbw_vs_single_rail.1MiB: {min: 1.8}}\n",
+     "expect.busbw_vs_single_rail.1MiB", "busbw_vs_single_rail.4KiB, busbw_vs_single_rail.16MiB"),
+    ("hosts: 2\nrails: [{name: r0}]\nworkload: {kind: allreduce}\n"
+     "expect: {busbw_vs_single_rail.16MiB: {min: 1.8}}\n",
+     "expect.busbw_vs_single_rail.16MiB", "needs a compare workload"),
     ("hosts: 2\nrails: [{name: r0}\n", "line", "valid YAML"),
     ("", "(file)", "hosts and rails"),
 ]
@@ -92,6 +104,35 @@ def test_bad_input_names_field_and_accepted_forms(text, field, accepted):
     msg = str(info.value)
     assert msg.startswith(field), msg
     assert accepted in msg, msg
+
+
+def test_warmup_defaults_and_sized_ratio_names_are_normalised():
+    from testbed.scenario import build
+    t = spec.loads("hosts: 2\nrails: [{name: r0}]\nworkload: {kind: compare, sizes: [16MiB, 4KiB]}\n"
+                   "expect: {busbw_vs_single_rail.16mib: {min: 1.8}}\n")
+    sc = build(t)
+    assert sc.workload.warmup == 1                 # compare: one untimed iteration per phase
+    assert [e.metric for e in sc.expect] == ["busbw_vs_single_rail.16MiB"]
+    t = spec.loads("hosts: 2\nrails: [{name: r0}]\nworkload: {kind: allreduce, warmup: 3}\n")
+    assert build(t).workload.warmup == 3
+    assert build(spec.loads("hosts: 2\nrails: [{name: r0}]\n")).workload is None
+
+
+def test_congestion_control_must_exist_in_the_kernel():
+    t = spec.loads("hosts: 2\nrails: [{name: r0}]\ntcp: {congestion_control: vegas}\n")
+    caps = Capabilities(netns=True, veth=True, bridge=True, htb=True, tbf=True, netem=True,
+                        nftables=True, mptcp=True, iperf3=True, mnexec=True, details={},
+                        congestion_controls=("reno", "cubic"))
+    with pytest.raises(CapabilityError) as info:
+        spec.check_capabilities(t, caps)
+    assert str(info.value).startswith("tcp.congestion_control") and "reno, cubic" in str(info.value)
+    assert "modprobe tcp_vegas" in str(info.value)
+    # unset: cubic where the kernel has it (results do not depend on the machine's default)
+    plain = spec.loads("hosts: 2\nrails: [{name: r0}]\n")
+    assert caps.congestion_control(plain) == "cubic"
+    assert caps.congestion_control(t) == "vegas"
+    bare = Capabilities(congestion_controls=("reno", "bbr"))
+    assert bare.congestion_control(plain) is None
 
 
 def test_delay_refused_without_netem_names_the_kernel_feature():

@@ -1,8 +1,11 @@
 """Transport interface and the socket Connection (reader + writer thread)."""
 from __future__ import annotations
 
+import fcntl
 import queue
 import socket
+import struct
+import termios
 import threading
 import time
 
@@ -50,6 +53,7 @@ class Transport:
         self.user_timeout_ms = user_timeout_ms
         import os
         self.notsent_lowat = int(os.environ.get("NEZHA_NOTSENT_LOWAT", 256 << 10))
+        self.congestion = os.environ.get("NEZHA_TCP_CONGESTION", "")
         self.listeners: list[socket.socket] = []
 
     @property
@@ -66,6 +70,15 @@ class Transport:
                 s.setsockopt(socket.IPPROTO_TCP, 25, int(self.notsent_lowat))  # TCP_NOTSENT_LOWAT
             except OSError:
                 pass
+        if self.congestion:
+            try:   # TCP_CONGESTION: per socket, whatever the host's default is
+                s.setsockopt(socket.IPPROTO_TCP, 13, self.congestion.encode())
+            except OSError as e:
+                if self.name != "mptcp":   # older kernels refuse it on MPTCP: their default
+                    from ..errors import ConfigError
+                    raise ConfigError(f"NEZHA_TCP_CONGESTION={self.congestion!r}: the kernel "
+                                      f"refused it ({e.strerror or e}); see /proc/sys/net/"
+                                      f"ipv4/tcp_available_congestion_control") from e
         if self.sockbuf:
             for opt, force in ((socket.SO_SNDBUF, 32), (socket.SO_RCVBUF, 33)):
                 try:
@@ -146,7 +159,11 @@ class Connection:
         self.last_rx = time.monotonic()
         self.last_tx = self.last_rx
         self.rx_bytes = 0
+        self.rx_all = 0           # every byte read from the socket (headers included)
         self.t_hdr = 0.0
+        self.arr_hdr = 0          # arrived() when the current DATA header was read...
+        self.arr_end = 0          # ...and when its payload was
+        self._inq_ok = True
         self.cur_slot = None
         self.unacked = 0          # data chunks queued/sent here and not yet acknowledged
         self.busy_since = 0.0
@@ -224,6 +241,19 @@ class Connection:
             self.fail(e)
 
     # ---------------------------------------------------------------- receiving
+    def arrived(self) -> int:
+        """Bytes that have reached this socket so far: read by us plus waiting in the kernel's
+        receive queue (SIOCINQ). Rate samples use it so that bytes which sat in the queue while
+        the reader was busy do not look as if they arrived in no time."""
+        q = 0
+        if self._inq_ok:
+            try:
+                q = struct.unpack("i", fcntl.ioctl(self.sock.fileno(), termios.FIONREAD,
+                                                   b"\0\0\0\0"))[0]
+            except (OSError, ValueError):
+                self._inq_ok = False
+        return self.rx_all + q
+
     def _read_loop(self):
         sock = self.sock
         hbuf = bytearray(wire.HEADER_SIZE)
@@ -244,20 +274,22 @@ class Connection:
                     return
                 now = time.monotonic()
                 self.last_rx = now
+                self.rx_all += wire.HEADER_SIZE
                 h = wire.unpack(hview)
                 if h.src != self.peer:
                     raise ProtocolError(f"frame claims src rank {h.src} on the connection to "
                                         f"rank {self.peer}")
                 t = h.type
                 if t == wire.DATA:
+                    self.arr_hdr = self.arrived()
                     target = self.handler.data_target(self, h, now)
                     if target is None:
                         buf = bytearray(h.length)
                         if h.length:
                             recv_exact_into(sock, memoryview(buf), "payload")
-                            if not buf:
-                                pass
                         self.rx_bytes += h.length
+                        self.rx_all += h.length
+                        self.arr_end = self.arrived()
                         self.handler.data_staged(self, h, buf)
                     else:
                         if h.length:
@@ -265,6 +297,8 @@ class Connection:
                                 raise PeerClosedError(f"rank {self.peer} closed rail {self.rail} "
                                                       f"before a payload")
                         self.rx_bytes += h.length
+                        self.rx_all += h.length
+                        self.arr_end = self.arrived()
                         self.handler.data_done(self, h)
                 elif t == wire.ACK:
                     self.handler.on_ack(self, h)
@@ -272,6 +306,7 @@ class Connection:
                     payload = bytearray(h.length)
                     if h.length and not recv_exact_into(sock, memoryview(payload), "payload"):
                         raise PeerClosedError("closed before a control payload")
+                    self.rx_all += h.length
                     if t == wire.ABORT:
                         self.handler.on_abort(self, h, payload.decode("utf-8", "replace"))
                     elif t == wire.CONTROL:
