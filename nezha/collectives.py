@@ -4,8 +4,9 @@ Ring allreduce = ring reduce-scatter (n-1 steps) + ring allgather (n-1 steps). S
 the buffer is reduced along one fixed chain of ranks, always as ``mine = op(mine, incoming)``,
 and the allgather copies the finished bytes, so every rank ends with identical bits.
 All receives of an operation are posted before its first send.
-Large segments are pipelined in blocks (see ring_allreduce for the step ids); broadcast and
-allgather use step 0..n-2 per message.
+Large segments are pipelined in blocks (see ring_allreduce for the step ids); allgather uses
+step 0..n-2 per message; broadcast is a star (step 0) for small messages and a pipelined chain
+(step = block) for large ones.
 """
 from __future__ import annotations
 
@@ -138,6 +139,50 @@ def ring_allgather(eng, op_id, out, count, kind=wire.K_ALLGATHER, deadline=None)
         lo, hi = seg((r - k) % n)
         sends.append(eng.send(right, op_id, k, bv[lo:hi], kind, dtc, 0, op_total, elem=esz))
         eng.wait_recv(slots[k], deadline)
+    eng.wait_sent(sends, deadline)
+
+
+BCAST_CHAIN_MIN = 256 << 10   # from this size on (and 3+ ranks) broadcast is a pipelined chain
+BCAST_BLOCK = 512 << 10
+
+
+def broadcast(eng, op_id, arr, root, deadline=None):
+    """Small messages: a star (one hop from the root). Large ones: a pipelined chain, since a
+    star sends the message n-1 times over the root's rails while a chain sends it once over
+    every host's."""
+    if eng.world > 2 and arr.nbytes >= BCAST_CHAIN_MIN:
+        chain_broadcast(eng, op_id, arr, root, deadline=deadline)
+    else:
+        star_broadcast(eng, op_id, arr, root, deadline=deadline)
+
+
+def chain_broadcast(eng, op_id, arr, root, kind=wire.K_BROADCAST, deadline=None):
+    """root -> root+1 -> ... -> root-1, in blocks: a rank forwards block b as soon as it has
+    arrived, so all links work at once and the time tends to size / (rails' rate)."""
+    n, r = eng.world, eng.rank
+    if n == 1:
+        return
+    pos = (r - root) % n
+    prev = (r - 1) % n if pos > 0 else None
+    nxt = (r + 1) % n if pos < n - 1 else None
+    esz = arr.dtype.itemsize
+    bv = byteview(arr)
+    dtc = wire.DTYPE_CODES[arr.dtype.name]
+    B = max(1, min(MAX_BLOCKS, arr.nbytes // BCAST_BLOCK))
+    cut = bounds(len(arr), B)
+    slots = []
+    if prev is not None:
+        for b in range(B):
+            slots.append(eng.post_recv(op_id, b, prev, bv[cut[b] * esz:cut[b + 1] * esz], kind,
+                                       dtc, 0, arr.nbytes, aux=root))
+    eng.posted(op_id)
+    sends = []
+    for b in range(B):
+        if prev is not None:
+            eng.wait_recv(slots[b], deadline)
+        if nxt is not None:
+            sends.append(eng.send(nxt, op_id, b, bv[cut[b] * esz:cut[b + 1] * esz], kind, dtc, 0,
+                                  arr.nbytes, aux=root, elem=esz))
     eng.wait_sent(sends, deadline)
 
 

@@ -48,6 +48,8 @@ from .transport.base import recv_exact_into, send_vec
 SYSTEMS = ("nezha", "single", "stripe", "mptcp")
 DTYPES = ("float32", "float64", "float16", "int32", "int64")
 OPS = tuple(collectives.UFUNCS)
+HELLO_TIMEOUT = 5.0       # s a connecting peer has to send its HELLO
+MAX_HELLO = 64 << 10      # bytes of HELLO body accepted
 _FORMATS = {"f": "float32", "d": "float64", "e": "float16", "i": "int32", "q": "int64",
             "l": "int64", "b": "int8", "B": "uint8"}
 
@@ -237,6 +239,19 @@ class Context:
         errors: list = []
         lock = threading.Lock()
 
+        def handshake(rail, s, addr):
+            try:
+                m = self._read_hello(s, max(0.1, min(HELLO_TIMEOUT, deadline - time.monotonic())))
+                if m["session"] != session or m["rail"] != rail or (m["rank"], rail) not in expected:
+                    raise ConnectionError(f"unexpected HELLO {m}")
+                tr.tune(s)
+                with lock:
+                    if (m["rank"], rail) in socks:
+                        raise ConnectionError(f"second connection from rank {m['rank']} rail {rail}")
+                    socks[(m["rank"], rail)] = s
+            except (OSError, ValueError, KeyError, TypeError, NezhaError, ConnectionError) as e:
+                self._reject(s, rail, addr, e)
+
         def accept_loop(rail, lsock):
             while True:
                 with lock:
@@ -247,33 +262,16 @@ class Context:
                     return
                 lsock.settimeout(min(left, 0.5))
                 try:
-                    s, _ = lsock.accept()
+                    s, addr = lsock.accept()
                 except socket.timeout:
                     continue
                 except OSError as e:
                     errors.append(e)
                     return
-                try:
-                    s.settimeout(max(0.1, deadline - time.monotonic()))
-                    hb = bytearray(wire.HEADER_SIZE)
-                    if not recv_exact_into(s, memoryview(hb), "hello"):
-                        raise ConnectionError("closed before HELLO")
-                    h = wire.unpack(hb)
-                    body = bytearray(h.length)
-                    recv_exact_into(s, memoryview(body), "hello")
-                    if h.type != wire.HELLO:
-                        raise ConnectionError("first frame is not HELLO")
-                    m = json.loads(body)
-                    if m["session"] != session or m["rail"] != rail or (m["rank"], rail) not in expected:
-                        raise ConnectionError(f"unexpected HELLO {m}")
-                    s.settimeout(None)
-                    tr.tune(s)
-                    with lock:
-                        if (m["rank"], rail) in socks:
-                            raise ConnectionError(f"second connection from rank {m['rank']} rail {rail}")
-                        socks[(m["rank"], rail)] = s
-                except (OSError, ValueError, KeyError, NezhaError, ConnectionError):
-                    s.close()     # a stray or bad connection: ignore it
+                # each handshake in its own thread: a peer that sends half a HELLO and holds
+                # the socket must not keep the real ranks waiting at accept()
+                threading.Thread(target=handshake, args=(rail, s, addr), daemon=True,
+                                 name=f"nz-hello-r{rail}").start()
 
         threads = [threading.Thread(target=accept_loop, args=(r, ls), daemon=True)
                    for r, ls in enumerate(tr.listeners)] if expected else []
@@ -321,11 +319,25 @@ class Context:
             raise ConnectionError("closed before HELLO")
         h = wire.unpack(hb)
         if h.type != wire.HELLO:
-            raise ConnectionError("first frame is not HELLO")
+            raise ConnectionError(f"first frame is {wire.TYPE_NAMES.get(h.type, h.type)}, not HELLO")
+        if h.length > MAX_HELLO:
+            raise ConnectionError(f"HELLO of {h.length} bytes (at most {MAX_HELLO})")
         body = bytearray(h.length)
         recv_exact_into(s, memoryview(body), "hello")
         s.settimeout(None)
-        return json.loads(body)
+        m = json.loads(body)
+        if not isinstance(m, dict):
+            raise ConnectionError("HELLO body is not a JSON object")
+        return m
+
+    def _reject(self, s, rail, addr, why):
+        """Close a connection that is not one of ours, and say so in the event log."""
+        try:
+            s.close()
+        finally:
+            self.events.emit("stray_connection", rail=rail,
+                             peer=f"{addr[0]}:{addr[1]}" if addr else None,
+                             reason=f"{type(why).__name__}: {why}"[:300])
 
     def _install(self, sock, peer, rail, how):
         eng = self._engine
@@ -351,21 +363,25 @@ class Context:
         while not eng.closing:
             try:
                 lsock.settimeout(0.5)
-                s, _ = lsock.accept()
+                s, addr = lsock.accept()
             except socket.timeout:
                 continue
             except OSError:
                 return
-            try:
-                m = self._read_hello(s, 2.0)
-                peer = int(m["rank"])
-                if (m["session"] != self._session or m["rail"] != rail or
-                        not self.rank < peer < self.world_size):
-                    raise ConnectionError(f"unexpected HELLO {m}")
-                self._transport.tune(s)
-                self._install(s, peer, rail, "accepted")
-            except (OSError, ValueError, KeyError, NezhaError, ConnectionError):
-                s.close()
+            threading.Thread(target=self._rejoin_handshake, args=(rail, s, addr), daemon=True,
+                             name=f"nz-rejoin-r{rail}").start()
+
+    def _rejoin_handshake(self, rail, s, addr):
+        try:
+            m = self._read_hello(s, 2.0)
+            peer = int(m["rank"])
+            if (m["session"] != self._session or m["rail"] != rail or
+                    not self.rank < peer < self.world_size):
+                raise ConnectionError(f"unexpected HELLO {m}")
+            self._transport.tune(s)
+            self._install(s, peer, rail, "accepted")
+        except (OSError, ValueError, KeyError, TypeError, NezhaError, ConnectionError) as e:
+            self._reject(s, rail, addr, e)
 
     def _rejoin(self, peer, rail):
         """Reconnect a failed rail to a lower rank (called by the health thread)."""
@@ -484,7 +500,7 @@ class Context:
         if not 0 <= root < self.world_size:
             raise ConfigError(f"root {root} is outside 0..{self.world_size - 1}")
         self._run("broadcast", arr.nbytes,
-                  lambda eng, op_id: collectives.star_broadcast(eng, op_id, arr, root))
+                  lambda eng, op_id: collectives.broadcast(eng, op_id, arr, root))
         if wb:
             wb()
         return buf

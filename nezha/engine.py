@@ -102,6 +102,7 @@ class Engine:
         self._report_seq: dict = {}
         self._my_seq = 0
         self._rr = 0
+        self.on_arrivals = None   # health.Health's answer handler (rank, rail, id, bytes)
 
     # ------------------------------------------------------------------ helpers
     def live_rails(self, peer, data: bool = True) -> list[int]:
@@ -465,12 +466,41 @@ class Engine:
         try:
             m = json.loads(payload)
             kind, rail = m["what"], int(m["rail"])
+            if kind == "arrivals?":
+                window, ident = float(m["window"]), int(m["id"])
+            elif kind == "arrivals":
+                nbytes, ident = int(m["bytes"]), int(m["id"])
         except (ValueError, KeyError, TypeError):
             raise ProtocolError(f"bad CONTROL payload from rank {h.src}")
         if not 0 <= rail < self.nrails:
             raise ProtocolError(f"CONTROL for unknown rail {rail} from rank {h.src}")
-        self._apply_report(kind, rail, h.src, int(m.get("peer", -1)), m.get("op"),
-                           int(m.get("seq", 0)), m.get("conn"))
+        if kind == "arrivals?":
+            # the peer's watchdog sees no progress on its connection to us on this rail: tell
+            # it how many bytes reached us on it lately (a slow rail: some; a black hole: none)
+            c = self.conns.get((h.src, rail))
+            got = c.arrived_within(min(max(window, 0.0), 5.0)) if c is not None and c.alive else 0
+            self.send_control(h.src, {"what": "arrivals", "rail": rail, "id": ident, "bytes": got},
+                              avoid=rail)
+        elif kind == "arrivals":
+            if self.on_arrivals is not None:
+                self.on_arrivals(h.src, rail, ident, nbytes)
+        else:
+            self._apply_report(kind, rail, h.src, int(m.get("peer", -1)), m.get("op"),
+                               int(m.get("seq", 0)), m.get("conn"))
+
+    def send_control(self, peer: int, body: dict, avoid=None) -> bool:
+        """A CONTROL frame with a JSON body to ``peer``, on a live rail other than ``avoid``
+        when there is one. False if no rail to the peer is left."""
+        import json
+        data = json.dumps(body).encode()
+        frame = wire.pack(wire.CONTROL, 0, 0, 0, 0, self.rank, 0, self.op_seq, 0, 0, 0,
+                          len(data), 0, 0) + data
+        rails = self.live_rails(peer, data=False)
+        if not rails:
+            return False
+        others = [r for r in rails if r != avoid]
+        self.conns[(peer, (others or rails)[0])].put(frame)
+        return True
 
     def _apply_report(self, kind, rail, reporter, peer, op, seq=0, ident=None):
         if kind == "down" and peer == self.rank and reporter != self.rank:

@@ -11,15 +11,20 @@ Event names and their fields (``rail`` is the rail index, ``peer`` a rank):
   link_monitor    ok, rails {ifindex: rail} | error     (netlink link-event watcher)
   state           state "cold"|"hot", reason, [live]     (agreed balancing state)
   weights         shares [per rail, for a 16 MiB message], state, a [s], b [s/byte]
+  rail_check      peer, rail, stalled_ms, window_ms, tcp {rto_ms, rtt_ms, cwnd, ...}
+                                                         (watchdog: asks the peer if bytes arrive)
+  rail_alive      peer, rail, bytes, waited_ms           (the peer said yes: slow, not dead)
   rail_suspected  rail, [peer], reason, [last_rail]      (watchdog, heartbeat, netlink)
   rail_down       peer, rail, reason                     (this rank stopped using it)
   rerouted        peer, rail, chunks, to [rails]         (unacked chunks moved)
   rail_agreed     rail, state "down"|"up", by, peer, op  (rail usable by nobody / again)
   probe           peer, rail, next_in | ok=false, error  (re-connect attempt)
   rail_up         peer, rail, how "reconnected"|"accepted"
+  stray_connection  rail, peer "addr:port", reason        (a connection that is not one of ours)
   error           error (class), message                 (the communicator failed)
   call / op_start / op_end   kind, bytes, [op]           (only with log_ops / NEZHA_LOG_OPS=1)
-  b_sample        rail, bytes, seconds, ...              (only with NEZHA_DEBUG_SAMPLES=1)
+  b_sample        rail, bytes, arrived, seconds, ...     (only with NEZHA_DEBUG_SAMPLES=1)
+  tx / rx         rail, peer, op, step, off, len, t0     (one per chunk, only with NEZHA_TRACE=1)
   close
 CLOCK_MONOTONIC is shared by all network namespaces of one machine, so logs of several
 ranks can be merged on one timeline.

@@ -1,21 +1,22 @@
 """Rail health: failure detection in layers, and re-probing of failed rails.
 
 1. Socket errors / EOF fail a connection at once (transport reader and writer threads).
-2. Progress watchdog: a connection with unacknowledged chunks and bytes in flight or unsent
-   in its socket, whose kernel-level delivery counter (TCP_INFO tcpi_delivered, i.e. TCP
-   ACKs incl. SACKs) has not moved for ``stall_limit(rail)`` =
-   max(WATCHDOG_MIN, WATCHDOG_FACTOR * (a_r + 64 KiB * b_r), RTO_FACTOR * tcpi_rto), is
-   suspected and failed (catches silent black holes) - provided no ACK at all (not even a
-   duplicate) arrived for as long (tcpi_last_ack_recv): a congested or lossy rail keeps
-   returning ACKs while delivery waits on a retransmission, a black hole returns none. The RTO term keeps a plain packet loss
-   (recovered by a retransmission timeout) from looking like a dead rail; lower the routes'
-   ``rto_min`` (e.g. ``ip route change ... rto_min 20ms``) for faster detection. Kernel ACKs are used, not nezha ACKs, because a nezha ACK
-   may wait behind bulk data going the other way. Where TCP_INFO is not available (MPTCP),
-   nezha ACKs are used with a 10x larger limit; receivers acknowledge staged chunks with a
-   progress-only ACK, so a peer that is merely behind is not taken for dead. Only segments
-   in flight without delivery count: a slow receiver closes its window (nothing in flight).
-   The last live rail to a peer is never failed on suspicion (only by socket errors; the
-   collective's timeout covers the rest).
+2. Progress watchdog: a connection with unacknowledged chunks and bytes in flight, whose
+   kernel-level delivery counter (TCP_INFO tcpi_delivered, i.e. TCP ACKs incl. SACKs) has not
+   moved and on which no ACK at all (tcpi_last_ack_recv, not even a duplicate) arrived for
+   ``stall_limit(rail)`` = max(WATCHDOG_MIN, WATCHDOG_FACTOR * (a_r + 64 KiB * b_r),
+   RTO_FACTOR * tcpi_rto before back-off), is *checked*: the peer is asked over another rail
+   whether bytes still reach it on that connection. Nothing (or no answer within
+   CHECK_TIMEOUT) fails it (a black hole); some means slow, not dead (see Health.check). A
+   congested or lossy rail keeps returning ACKs while delivery waits on a retransmission; the
+   RTO term keeps a plain loss from triggering a check; lower the routes' ``rto_min`` for
+   faster detection. Kernel ACKs are used, not nezha ACKs, because a nezha ACK may wait behind
+   bulk data going the other way. Where TCP_INFO is not available (MPTCP), nezha ACKs are
+   used with a 10x larger limit; receivers acknowledge staged chunks with a progress-only
+   ACK, so a peer that is merely behind is not taken for dead. Only segments in flight
+   without delivery count: a slow receiver closes its window (nothing in flight). The last
+   live rail to a peer is never failed on suspicion (only by socket errors; the collective's
+   timeout covers the rest).
 3. Heartbeats: every connection idle for HEARTBEAT_INTERVAL sends a HEARTBEAT; one that has
    received nothing for HEARTBEAT_TIMEOUT is failed.
 4. Link events (optional, pyroute2): a rail interface going down fails its connections.
@@ -26,7 +27,7 @@ and every rank is told (CONTROL "down"): all stop using that rail for data, the 
 restarts COLD for the new rail set at the next estimate exchange. The higher rank of the
 pair re-connects with exponential back-off (PROBE_MIN .. PROBE_MAX); on success the rail
 rejoins (CONTROL "up") once no rank reports it down.
-Events: rail_suspected, rail_down, rerouted, rail_agreed, probe, rail_up.
+Events: rail_check, rail_alive, rail_suspected, rail_down, rerouted, rail_agreed, probe, rail_up.
 """
 from __future__ import annotations
 
@@ -39,7 +40,9 @@ import time
 from . import wire
 from .errors import CommError
 
-WATCHDOG_MIN = float(os.environ.get("NEZHA_WATCHDOG_MS", 150)) / 1e3
+WATCHDOG_MIN = float(os.environ.get("NEZHA_WATCHDOG_MS", 60)) / 1e3
+CHECK_TIMEOUT = float(os.environ.get("NEZHA_CHECK_TIMEOUT_MS", 100)) / 1e3
+CHECK_MEMORY = 2.0     # s a peer's "bytes arrive" answer widens later questions (see check)
 WATCHDOG_FACTOR = 4.0
 WATCHDOG_NOMINAL_BPS = 12.5e6   # assumed rail speed (100 Mbit/s) before anything is measured
 HEARTBEAT_INTERVAL = float(os.environ.get("NEZHA_HEARTBEAT_MS", 100)) / 1e3
@@ -47,6 +50,20 @@ HEARTBEAT_TIMEOUT = float(os.environ.get("NEZHA_HEARTBEAT_TIMEOUT_MS", 1500)) / 
 PROBE_MIN, PROBE_MAX = 0.1, 1.0
 RTO_FACTOR = 1.25
 TICK = 0.01
+
+
+def tcp_state(sock) -> dict:
+    """A few TCP_INFO fields for the event log (why a rail looked stalled)."""
+    try:
+        b = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 232)
+        return {"rto_ms": struct.unpack_from("I", b, 8)[0] / 1e3,
+                "rtt_ms": struct.unpack_from("I", b, 68)[0] / 1e3,
+                "cwnd": struct.unpack_from("I", b, 80)[0],
+                "unacked": struct.unpack_from("I", b, 24)[0],
+                "retrans": struct.unpack_from("I", b, 100)[0],
+                "backoff": b[4]}
+    except (OSError, struct.error, IndexError):
+        return {}
 
 
 def tcp_progress(sock):
@@ -81,6 +98,8 @@ class Health:
         # probes connect (and may wait on a dead path): never in the heartbeat thread
         self.probe_thread = threading.Thread(target=self.probe_loop, daemon=True, name="nz-probe")
         self.link_thread = None
+        self._check_seq = 0
+        self.eng.on_arrivals = self.on_arrivals
 
     def start(self):
         self.thread.start()
@@ -113,9 +132,11 @@ class Health:
             for (peer, rail), conn in list(eng.conns.items()):
                 if not conn.alive:
                     continue
+                conn.arrivals.append((now, conn.arrived()))
                 if conn.unacked > 0:
                     limit = self.stall_limit(rail)
                     tp = tcp_progress(conn.sock) if conn.tcp_info_ok else None
+                    rto_now = 0.0
                     if tp is None:
                         conn.tcp_info_ok = False
                         since = max(conn.busy_since, conn.last_ack)
@@ -125,6 +146,7 @@ class Health:
                         # segments in flight and none delivered: the path is black. (A slow
                         # receiver closes its window instead: nothing in flight, not a fault.)
                         delivered, inflight, notsent, rto, last_ack = tp
+                        rto_now = rto
                         if delivered != conn.tcp_delivered or not inflight:
                             conn.tcp_delivered = delivered
                             conn.tcp_moved = now
@@ -140,9 +162,9 @@ class Health:
                         # a black hole returns nothing
                         stuck = inflight and now - since > limit and last_ack > limit
                     if stuck:
-                        self.suspect(conn, f"no progress for {(now - since) * 1e3:.0f} ms with "
-                                           f"{conn.unacked} chunks outstanding (limit {limit * 1e3:.0f} ms)")
+                        self.check(conn, now, now - since, limit, rto_now)
                         continue
+                    conn.check_id = None
                 if now - conn.last_rx > HEARTBEAT_TIMEOUT:
                     self.suspect(conn, f"nothing received for {(now - conn.last_rx) * 1e3:.0f} ms")
                     continue
@@ -154,6 +176,52 @@ class Health:
         while not self.stop.wait(0.02):
             if self.eng.error is None and not self.eng.closing:
                 self.probe(time.monotonic())
+
+    def check(self, conn, now: float, stalled: float, limit: float, rto: float = 0.0) -> None:
+        """The watchdog saw no progress: ask the peer, over another rail, whether our bytes
+        still reach it in the last ``stalled`` seconds. A rail whose rate was cut tenfold keeps
+        delivering data while its ACKs queue behind full buffers (or TCP sits out a spurious
+        retransmission timeout); a black hole delivers nothing. No answer within CHECK_TIMEOUT
+        counts as nothing arriving. Once the peer has confirmed the rail alive, later questions
+        cover at least 1.25 x TCP's current (backed-off) RTO: in back-off TCP sends one segment
+        per RTO, so a shorter window can fall between two of them."""
+        why = (f"no progress for {stalled * 1e3:.0f} ms with {conn.unacked} chunks outstanding "
+               f"(limit {limit * 1e3:.0f} ms)")
+        if conn.check_id is not None:
+            if now - conn.check_t > CHECK_TIMEOUT:
+                conn.check_id = None
+                self.suspect(conn, why + f"; rank {conn.peer} did not say within "
+                                         f"{CHECK_TIMEOUT * 1e3:.0f} ms whether bytes arrive")
+            return
+        others = [r for r in self.eng.live_rails(conn.peer, data=False) if r != conn.rail]
+        if not others:
+            self.suspect(conn, why)          # the last rail: only logged, see suspect()
+            return
+        window = stalled
+        if now - conn.check_ok_t < CHECK_MEMORY:
+            window = max(stalled, RTO_FACTOR * rto)
+        self._check_seq += 1
+        conn.check_id, conn.check_t, conn.check_why = self._check_seq, now, why
+        self.eng.events.emit("rail_check", peer=conn.peer, rail=conn.rail, stalled_ms=stalled * 1e3,
+                             window_ms=window * 1e3, tcp=tcp_state(conn.sock))
+        self.eng.send_control(conn.peer, {"what": "arrivals?", "rail": conn.rail,
+                                          "id": conn.check_id, "window": window},
+                              avoid=conn.rail)
+
+    def on_arrivals(self, peer: int, rail: int, ident: int, nbytes: int) -> None:
+        """The peer's answer to check(): bytes that reached it on this rail in the window."""
+        conn = self.eng.conns.get((peer, rail))
+        if conn is None or conn.check_id != ident or not conn.alive:
+            return
+        conn.check_id = None
+        if nbytes > 0:                       # slow, not dead: watch it afresh
+            now = time.monotonic()
+            conn.tcp_moved = conn.last_ack = conn.check_ok_t = now
+            self.eng.events.emit("rail_alive", peer=peer, rail=rail, bytes=nbytes,
+                                 waited_ms=(now - conn.check_t) * 1e3)
+        else:
+            self.suspect(conn, conn.check_why
+                         + f"; rank {peer} received nothing on it meanwhile")
 
     def suspect(self, conn, why):
         eng = self.eng

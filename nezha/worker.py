@@ -28,7 +28,9 @@ cold start.
 and a last line ``{"summary": true, "iterations", "ok", "failed_iterations", "mismatches",
 "mean_s", "algbw_Bps", "busbw_Bps", "rail_bytes", "shares", "state", "exit_code"}``.
 In duration mode every rank runs the same number of iterations: after each iteration the
-ranks allreduce (max) a stop flag, so they stop together.
+ranks allreduce (max) a stop flag, so they stop together. With both --iterations and
+--duration, a rank stops after at least that many iterations and at least that long (small
+messages then get many samples, large ones their minimum count).
 Exit status: 0 all results exact, 3 a wrong result, 2 bad arguments, 4 communication
 error (message on stderr), 1 anything else.
 """
@@ -178,10 +180,14 @@ def run(a) -> int:
                     t_begin = time.monotonic()
                     rb0 = dict(ctx.rail_bytes())
                 continue
-            if a.iterations is not None and k >= a.iterations + a.warmup:
-                break
-            if a.duration is not None:
-                stop = np.array([1 if time.monotonic() - t_begin >= a.duration else 0], dtype=np.int32)
+            enough = a.iterations is None or k >= a.iterations + a.warmup
+            if a.duration is None:
+                if enough:
+                    break
+            else:
+                # both given: at least that many iterations and at least that long
+                stop = np.array([1 if enough and time.monotonic() - t_begin >= a.duration
+                                 else 0], dtype=np.int32)
                 ctx.allreduce(stop, op="max")
                 if stop[0]:
                     break

@@ -277,16 +277,29 @@ def fault_start(f: dict) -> float:
     return ti if _num(ti) else f["t_applied"]
 
 
+def in_collective(rates: Rates, spans: Sequence[tuple[float, float]]) -> np.ndarray:
+    """Per bin: does its centre lie inside some iteration (first rank's start .. last rank's
+    end)? Between iterations the ranks verify, refill and meet at a barrier: the rails are idle
+    by design, which is neither a stall nor a natural dip of the collective."""
+    c = rates.centers
+    mask = np.zeros(len(c), dtype=bool)
+    for a, b in spans:
+        mask |= (c >= a) & (c <= b)
+    return mask
+
+
 def failover(f: dict, rates: Rates, fault_rails: Sequence[str], rails: Sequence[str],
              faults: Sequence[dict], windows: Sequence[tuple[float, float]],
-             run_end: float, floor_bps: float = 0.0, onset_limit: Optional[float] = None) -> dict:
+             run_end: float, floor_bps: float = 0.0, onset_limit: Optional[float] = None,
+             spans: Optional[Sequence[tuple[float, float]]] = None) -> dict:
     """failover_ms of one rail-removing fault.
 
     S(t) = goodput of the surviving rails (every rail the fault does not take out; sum over
     their hosts of bytes delivered), in 20 ms bins. Its active level L = 90th percentile of the
     non-zero bins from t_applied to the end of the fault window (the fault's end; for a flap,
     its first link-up; at most the end of the run). A bin is a gap when S < 0.3 L (no sample
-    counts as a gap). The pre-fault pattern is the longest gap in the reference window before
+    counts as a gap) and, given the iterations' ``spans``, it lies inside a collective (see
+    in_collective: the idle time between iterations is never a gap). The pre-fault pattern is the longest gap in the reference window before
     the fault (PRE_WINDOW_S, not before the workload or an earlier fault; a gap at the very start
     of that window is not counted), taken on the total
     goodput and, if the surviving rails were active in >= half of its bins, on S as well: the
@@ -330,20 +343,21 @@ def failover(f: dict, rates: Rates, fault_rails: Sequence[str], rails: Sequence[
     thr = STALL_FRACTION * L
     # the pre-fault pattern
     k0 = _bin(rates, _pre_start(T, faults, windows))
+    inside = in_collective(rates, spans) if spans else np.ones(len(rates), dtype=bool)
     natural = 0
     if kT - k0 >= 5:
         tot = rates.total_bps[k0:kT]
         Lt = _level(tot)
         if Lt is not None:
-            natural = _longest_inner_gap(~(tot >= STALL_FRACTION * Lt))
+            natural = _longest_inner_gap(~(tot >= STALL_FRACTION * Lt) & inside[k0:kT])
         pre_s = S[k0:kT]
         if np.mean(pre_s >= thr) >= 0.5:
-            natural = max(natural, _longest_inner_gap(~(pre_s >= thr)))
+            natural = max(natural, _longest_inner_gap(~(pre_s >= thr) & inside[k0:kT]))
     else:
         res["note_pattern"] = "no pre-fault reference window; every gap counts as a stall"
     res["natural_gap_ms"] = natural * rates.bin_s * 1e3
     res["level_mbps"] = L / 1e6
-    gap = ~(S >= thr)                  # NaN (not sampled) counts as a gap
+    gap = ~(S >= thr) & inside         # NaN (not sampled) counts as a gap
     stalls = [(a, b) for a, b in _runs(gap)
               if b > kT and a < kE and (b - a) > natural]
     if onset_limit is not None:
@@ -679,7 +693,9 @@ def compute(topo, scenario, samples: Optional[Samples], iterations: Sequence[dic
                 det_vals.append(d["detection_ms"])
             if rates is not None and len(rates):
                 fo = failover(f, rates, fr, rails, ordered, windows, run_end, floor,
-                              onset_limit=first_end_after(f["t_applied"], table))
+                              onset_limit=first_end_after(f["t_applied"], table),
+                              spans=[(r["t_start"], r["t_end"]) for r in table
+                                     if r["t_start"] is not None and r["t_end"] is not None])
                 row.update({k: v for k, v in fo.items() if k != "note"},
                            failover_note=fo["note"])
                 row["iteration_stall_ms"] = iteration_stall(f["t_applied"], table)

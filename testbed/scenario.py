@@ -74,6 +74,7 @@ class Workload:
     duration: Optional[float] = None
     iterations: Optional[int] = None
     warmup: int = 0           # iterations run and verified first, left out of timings and shares
+    rounds: int = 1           # compare: the systems take turns this many times per size
     system: str = "nezha"
     systems: tuple[str, ...] = ()
     dtype: str = "float32"
@@ -151,8 +152,8 @@ def parse_workload(raw: Any, topo) -> Optional[Workload]:
         return None
     f = "workload"
     raw = _mapping(raw, f, "a mapping such as {kind: allreduce, size: 16MiB, duration: 10s}")
-    _keys(raw, ("kind", "size", "sizes", "duration", "iterations", "warmup", "system", "systems",
-                "dtype", "op", "hosts", "command", "timeout"), f)
+    _keys(raw, ("kind", "size", "sizes", "duration", "iterations", "warmup", "rounds", "system",
+                "systems", "dtype", "op", "hosts", "command", "timeout"), f)
     kind = _choice(raw.get("kind", "allreduce"), WORKLOAD_KINDS, f"{f}.kind")
     kw: dict[str, Any] = {"kind": kind}
     if "size" in raw:
@@ -161,8 +162,6 @@ def parse_workload(raw: Any, topo) -> Optional[Workload]:
         if not isinstance(raw["sizes"], list) or not raw["sizes"]:
             raise SpecError(f"{f}.sizes", "not a list", "a list of sizes, e.g. [64KiB, 16MiB]")
         kw["sizes"] = tuple(parse_size(s, f"{f}.sizes[{i}]") for i, s in enumerate(raw["sizes"]))
-    if "duration" in raw and "iterations" in raw:
-        raise SpecError(f"{f}.duration", "both duration and iterations given", "one of them")
     if "duration" in raw:
         kw["duration"] = parse_duration(raw["duration"], f"{f}.duration", allow_zero=False)
     if "iterations" in raw:
@@ -174,6 +173,11 @@ def parse_workload(raw: Any, topo) -> Optional[Workload]:
         kw["warmup"] = _int(raw["warmup"], f"{f}.warmup", minimum=0)
     elif kind in ("compare", "sweep"):
         kw["warmup"] = 1          # a fresh process's first op pays for TCP slow start
+    if "rounds" in raw:
+        if kind != "compare":
+            raise SpecError(f"{f}.rounds", f"only used with kind: compare (kind is {kind})",
+                            "kind: compare, or no rounds key")
+        kw["rounds"] = _int(raw["rounds"], f"{f}.rounds")
     if "system" in raw:
         kw["system"] = _choice(raw["system"], SYSTEMS, f"{f}.system")
     if "systems" in raw:

@@ -1,16 +1,13 @@
 """Expectations against metrics: pass or fail, always with the measured value and the bound.
 
 A metric that was not measured (None) fails its expectation with "not measured" and the reason
-the metrics module gave; it never passes by default. An expectation can be marked *pending a
-capability* (e.g. failover before Nezha has fault tolerance): if its value still holds it passes
-like any other; if not, the row shows ``PENDING: reason`` and counts as failed unless the caller
-passes ``pending_passes=True`` explicitly.
+the metrics module gave; it never passes by default.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, Optional, Sequence
+from typing import Any, NamedTuple, Sequence
 
 from .scenario import SHARE_PREFIX, SIZED_PREFIX, Expectation
 
@@ -44,27 +41,24 @@ class Row(NamedTuple):
     expected: str        # the bound, as written ("<= 200", "0", "0.4..0.6")
     measured: Any        # the value (None: not measured)
     ok: bool
-    note: str            # "" | "not measured: ..." | "PENDING: ..." | caveat from the metrics
+    note: str            # "" | "not measured: ..." | caveat from the metrics
 
     @property
     def status(self) -> str:
-        if self.ok:
-            return "PASS"
-        return "PENDING" if self.note.startswith("PENDING") else "FAIL"
+        return "PASS" if self.ok else "FAIL"
 
 
 @dataclass
 class Verdict:
     rows: list[Row] = field(default_factory=list)
-    pending_passes: bool = False
 
     @property
     def passed(self) -> bool:
-        return all(r.ok or (self.pending_passes and r.status == "PENDING") for r in self.rows)
+        return all(r.ok for r in self.rows)
 
     @property
     def failures(self) -> list[str]:
-        """One line per failed (or pending) expectation naming metric, bound and value."""
+        """One line per failed expectation naming metric, bound and value."""
         out = []
         for r in self.rows:
             if r.ok:
@@ -76,25 +70,16 @@ class Verdict:
             out.append(line)
         return out
 
-    @property
-    def pending(self) -> list[Row]:
-        return [r for r in self.rows if r.status == "PENDING"]
-
     def to_dict(self) -> dict:
-        return {"passed": self.passed, "pending_passes": self.pending_passes,
+        return {"passed": self.passed,
                 "rows": [{"metric": r.metric, "expected": r.expected, "measured": r.measured,
                           "ok": r.ok, "status": r.status, "note": r.note} for r in self.rows],
                 "failures": self.failures}
 
 
-def judge(expectations: Sequence[Expectation], metrics: dict,
-          pending: Optional[dict[str, str]] = None, pending_passes: bool = False) -> Verdict:
-    """Hold every expectation against ``metrics`` (from ``testbed.metrics.compute``).
-
-    ``pending``: metric -> reason it may not hold yet (a capability not implemented). Such a
-    row passes if its value holds; otherwise its note is "PENDING: reason" and it counts as
-    failed unless ``pending_passes`` is True."""
-    pending = pending or {}
+def judge(expectations: Sequence[Expectation], metrics: dict) -> Verdict:
+    """Hold every expectation against ``metrics`` (from ``testbed.metrics.compute``). A metric
+    that was not measured fails its expectation, with the reason as the row's note."""
     notes = metrics.get("notes") or {}
     rows = []
     for e in expectations:
@@ -111,7 +96,5 @@ def judge(expectations: Sequence[Expectation], metrics: dict,
             note = "not measured" + (f": {why}" if why else "")
         elif e.metric in notes:
             note = notes[e.metric]
-        if not ok and e.metric in pending:
-            note = f"PENDING: {pending[e.metric]}" + (f"; {note}" if note else "")
         rows.append(Row(e.metric, e.describe(), value, bool(ok), note))
-    return Verdict(rows, pending_passes)
+    return Verdict(rows)

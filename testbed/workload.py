@@ -59,11 +59,14 @@ def phases(w: Workload) -> list[Phase]:
         return [Phase(w.system, w.size, w.iterations, w.duration, f"{w.system}")]
     if w.kind == "sweep":
         sizes = w.sizes or (w.size,)
-        return [Phase(w.system, s, w.iterations or 5, None, f"{w.system}-{s}") for s in sizes]
+        return [Phase(w.system, s, w.iterations or (None if w.duration else 5), w.duration,
+                      f"{w.system}-{s}") for s in sizes]
     if w.kind == "compare":
         sizes = w.sizes or (w.size,)
-        return [Phase(sys_, s, w.iterations or 5, None, f"{sys_}-{s}")
-                for s in sizes for sys_ in w.systems]
+        # the systems take turns (rounds > 1): a machine whose speed drifts over a minute
+        # (other work, CPU frequency) then favours none of them
+        return [Phase(sys_, s, w.iterations or (None if w.duration else 5), w.duration,
+                      f"{sys_}-{s}") for s in sizes for _ in range(w.rounds) for sys_ in w.systems]
     if w.kind == "command":
         return [Phase("command", 0, w.iterations, w.duration, "command")]
     return []
@@ -140,7 +143,7 @@ class WorkloadRunner:
             argv += ["--warmup", str(w.warmup)]
         if phase.iterations:
             argv += ["--iterations", str(phase.iterations)]
-        elif phase.duration:
+        if phase.duration:
             argv += ["--duration", str(phase.duration)]
         return argv
 

@@ -141,12 +141,21 @@ def test_counter_reset_and_down_link_do_not_make_negative_rates():
 
 
 # ------------------------------------------------------------------------------- failover
+def span_records(spans, world: int = 2):
+    """Iteration records whose collectives run over ``spans`` [(t_start, t_end)]."""
+    return [{"rank": rank, "iter": i, "t_start": a, "t_end": b, "bytes": 4 << 20, "ok": True,
+             "mismatches": 0, "rail_bytes": {"0": 1, "1": 1}, "system": "nezha"}
+            for i, (a, b) in enumerate(spans) for rank in range(world)]
+
+
 def test_failover_of_a_known_stall_within_20ms():
     active, in_flight_end = failover_world(stall_end=3.35)
     s = synth_samples(active)
     f = fault_record(3.0, 5.0)
     ev = [{"t": 3.08, "event": "rail_down", "rank": 1, "rail": 1, "peer": 0}]
-    m = metrics.compute(TOPO, SCEN, s, iteration_records(n=10), ev, [f], t0=0.0)
+    dual = pattern(0.5, 3.0, 0.2, 0.02)
+    spans = dual[:-1] + [(dual[-1][0], 3.35 + 0.4)] + pattern(3.77, 5.3, 0.4, 0.02)
+    m = metrics.compute(TOPO, SCEN, s, span_records(spans), ev, [f], t0=0.0)
     row = m["detail"]["faults"][0]
     assert in_flight_end > 3.05          # r0 kept carrying its own share after the fault ...
     assert m["failover_ms"] == pytest.approx(350, abs=20), row   # ... the stall still counts
@@ -160,6 +169,24 @@ def test_failover_tracks_the_stall_length(stall_end):
     m = metrics.compute(TOPO, SCEN, synth_samples(active, seed=7), [], [], [fault_record()],
                         t0=0.0)
     assert m["failover_ms"] == pytest.approx((stall_end - 3.0) * 1e3, abs=20)
+
+
+def test_idle_time_between_iterations_is_not_a_stall():
+    """4 ranks on 2 cores: iterations 300 ms apart before the fault and 160 ms apart after it
+    (verification and the barrier take longer): the rails idle between collectives, which is
+    not a failover; inside the collectives the surviving rail never paused."""
+    T = 3.0
+    before = pattern(0.5, T, 0.4, 0.12)
+    after = pattern(before[-1][1] + 0.16, 8.0, 0.6, 0.16)
+    r0 = before + after
+    r1 = _cut(before, T) + [(a, b) for a, b in after if a >= 5.3]
+    m = metrics.compute(TOPO, SCEN, synth_samples({"r0": r0, "r1": r1}), span_records(r0), [],
+                        [fault_record()], t0=0.0)
+    assert m["failover_ms"] == 0.0, m["detail"]["faults"][0]
+    # without the iterations' spans the longer idle time would be taken for a stall
+    m2 = metrics.compute(TOPO, SCEN, synth_samples({"r0": r0, "r1": r1}), [], [],
+                         [fault_record()], t0=0.0)
+    assert m2["failover_ms"] > 100
 
 
 def test_no_stall_beyond_natural_dips_is_zero_failover():

@@ -82,6 +82,8 @@ BAD = [
      "workload.size", "MiB"),
     ("hosts: 2\nrails: [{name: r0}]\ntcp: {congestion_control: 'cubic; rm'}\n",
      "tcp.congestion_control", "cubic, reno, bbr"),
+    ("hosts: 2\nrails: [{name: r0}]\nworkload: {kind: allreduce, rounds: 2}\n",
+     "workload.rounds", "kind: compare"),
     ("hosts: 2\nrails: [{name: r0}]\nworkload: {kind: allreduce, warmup: -1}\n",
      "workload.warmup", ">= 0"),
     ("hosts: 2\nrails: [{name: r0}]\nworkload: {kind: command, command: 'true', warmup: 2}\n",
@@ -116,6 +118,23 @@ def test_warmup_defaults_and_sized_ratio_names_are_normalised():
     t = spec.loads("hosts: 2\nrails: [{name: r0}]\nworkload: {kind: allreduce, warmup: 3}\n")
     assert build(t).workload.warmup == 3
     assert build(spec.loads("hosts: 2\nrails: [{name: r0}]\n")).workload is None
+
+
+def test_iterations_and_duration_together_mean_at_least_both():
+    from testbed.scenario import build
+    from testbed.workload import WorkloadRunner, phases
+    t = spec.loads("hosts: 2\nrails: [{name: r0}]\nworkload: {kind: compare, sizes: [4KiB, 16MiB], "
+                   "systems: [nezha, single], iterations: 5, duration: 2s}\n")
+    ph = phases(build(t).workload)
+    assert len(ph) == 4 and all(p.iterations == 5 and p.duration == 2.0 for p in ph)
+    argv = WorkloadRunner.argv(type("R", (), {"workload": build(t).workload})(), ph[0])
+    assert argv[argv.index("--iterations") + 1] == "5" and argv[argv.index("--duration") + 1] == "2.0"
+    assert argv[argv.index("--warmup") + 1] == "1"
+    t = spec.loads("hosts: 2\nrails: [{name: r0}]\nworkload: {kind: compare, sizes: [4KiB, 16MiB], "
+                   "systems: [nezha, single], rounds: 2}\n")
+    assert [(p.system, p.size) for p in phases(build(t).workload)] == [
+        ("nezha", 4096), ("single", 4096), ("nezha", 4096), ("single", 4096),
+        ("nezha", 16 << 20), ("single", 16 << 20), ("nezha", 16 << 20), ("single", 16 << 20)]
 
 
 def test_congestion_control_must_exist_in_the_kernel():

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import fcntl
 import queue
+from collections import deque
 import socket
 import struct
 import termios
@@ -13,9 +14,10 @@ from .. import wire
 from ..errors import CommError, PeerClosedError, ProtocolError
 
 
-def recv_exact_into(sock, view, what="frame") -> bool:
+def recv_exact_into(sock, view, what="frame", counter=None) -> bool:
     """Fill ``view`` from ``sock``. False on EOF before the first byte; raises
-    PeerClosedError on EOF in the middle (a truncated frame)."""
+    PeerClosedError on EOF in the middle (a truncated frame). ``counter`` (a Connection) has
+    its ``rx_all`` advanced as bytes come in, so its arrival count moves during a long read."""
     n = len(view)
     got = 0
     while got < n:
@@ -26,6 +28,8 @@ def recv_exact_into(sock, view, what="frame") -> bool:
             raise PeerClosedError(f"connection closed in the middle of a {what} "
                                   f"({got} of {n} bytes)")
         got += k
+        if counter is not None:
+            counter.rx_all += k
     return True
 
 
@@ -54,6 +58,12 @@ class Transport:
         import os
         self.notsent_lowat = int(os.environ.get("NEZHA_NOTSENT_LOWAT", 256 << 10))
         self.congestion = os.environ.get("NEZHA_TCP_CONGESTION", "")
+        if self.congestion:       # refuse a bad name now, on every rank, not at connect time
+            probe = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            try:
+                self._set_congestion(probe)
+            finally:
+                probe.close()
         self.listeners: list[socket.socket] = []
 
     @property
@@ -63,6 +73,17 @@ class Transport:
     def new_socket(self) -> socket.socket:
         raise NotImplementedError
 
+    def _set_congestion(self, s: socket.socket) -> None:
+        try:   # TCP_CONGESTION: per socket, whatever the host's default is
+            s.setsockopt(socket.IPPROTO_TCP, 13, self.congestion.encode())
+        except OSError as e:
+            if self.name != "mptcp" or s.proto != 262:
+                from ..errors import ConfigError
+                raise ConfigError(f"NEZHA_TCP_CONGESTION={self.congestion!r}: the kernel "
+                                  f"refused it ({e.strerror or e}); see /proc/sys/net/ipv4/"
+                                  f"tcp_available_congestion_control") from e
+            # older kernels refuse it on MPTCP sockets: their subflows use the default
+
     def tune(self, s: socket.socket):
         s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         if self.notsent_lowat:
@@ -71,14 +92,7 @@ class Transport:
             except OSError:
                 pass
         if self.congestion:
-            try:   # TCP_CONGESTION: per socket, whatever the host's default is
-                s.setsockopt(socket.IPPROTO_TCP, 13, self.congestion.encode())
-            except OSError as e:
-                if self.name != "mptcp":   # older kernels refuse it on MPTCP: their default
-                    from ..errors import ConfigError
-                    raise ConfigError(f"NEZHA_TCP_CONGESTION={self.congestion!r}: the kernel "
-                                      f"refused it ({e.strerror or e}); see /proc/sys/net/"
-                                      f"ipv4/tcp_available_congestion_control") from e
+            self._set_congestion(s)
         if self.sockbuf:
             for opt, force in ((socket.SO_SNDBUF, 32), (socket.SO_RCVBUF, 33)):
                 try:
@@ -174,6 +188,11 @@ class Connection:
         self.tcp_moved = 0.0
         self.tcp_rto = 0.0            # TCP RTO when delivery last moved (before any back-off)
         self.suspected = False
+        self.arrivals: deque = deque(maxlen=128)   # (t, arrived()) each health tick
+        self.check_id = None      # a pending "do bytes still arrive?" question to the peer
+        self.check_t = 0.0
+        self.check_why = ""
+        self.check_ok_t = -1e9    # when the peer last said our bytes still arrive
         try:   # (local port, remote port): names this TCP connection in rail reports
             self.ident = (sock.getsockname()[1], sock.getpeername()[1])
         except OSError:
@@ -254,6 +273,17 @@ class Connection:
                 self._inq_ok = False
         return self.rx_all + q
 
+    def arrived_within(self, seconds: float) -> int:
+        """Bytes that reached this socket in the last ``seconds`` (from the health thread's
+        samples; the oldest sample if the history is shorter)."""
+        now, cur = time.monotonic(), self.arrived()
+        ref = None
+        for t, a in reversed(self.arrivals):
+            ref = a
+            if t <= now - seconds:
+                break
+        return cur - (cur if ref is None else ref)
+
     def _read_loop(self):
         sock = self.sock
         hbuf = bytearray(wire.HEADER_SIZE)
@@ -264,7 +294,7 @@ class Connection:
                     time.sleep(0.005)
                 if not self.alive:
                     return
-                if not recv_exact_into(sock, hview, "header"):
+                if not recv_exact_into(sock, hview, "header", self):
                     if self.bye_seen or self.closing:
                         self._mark_dead()
                         self.handler.on_closed(self)
@@ -274,7 +304,6 @@ class Connection:
                     return
                 now = time.monotonic()
                 self.last_rx = now
-                self.rx_all += wire.HEADER_SIZE
                 h = wire.unpack(hview)
                 if h.src != self.peer:
                     raise ProtocolError(f"frame claims src rank {h.src} on the connection to "
@@ -286,27 +315,25 @@ class Connection:
                     if target is None:
                         buf = bytearray(h.length)
                         if h.length:
-                            recv_exact_into(sock, memoryview(buf), "payload")
+                            recv_exact_into(sock, memoryview(buf), "payload", self)
                         self.rx_bytes += h.length
-                        self.rx_all += h.length
                         self.arr_end = self.arrived()
                         self.handler.data_staged(self, h, buf)
                     else:
                         if h.length:
-                            if not recv_exact_into(sock, target, "payload"):
+                            if not recv_exact_into(sock, target, "payload", self):
                                 raise PeerClosedError(f"rank {self.peer} closed rail {self.rail} "
                                                       f"before a payload")
                         self.rx_bytes += h.length
-                        self.rx_all += h.length
                         self.arr_end = self.arrived()
                         self.handler.data_done(self, h)
                 elif t == wire.ACK:
                     self.handler.on_ack(self, h)
                 elif t in (wire.ABORT, wire.HELLO, wire.CONTROL):
                     payload = bytearray(h.length)
-                    if h.length and not recv_exact_into(sock, memoryview(payload), "payload"):
+                    if h.length and not recv_exact_into(sock, memoryview(payload), "payload",
+                                                        self):
                         raise PeerClosedError("closed before a control payload")
-                    self.rx_all += h.length
                     if t == wire.ABORT:
                         self.handler.on_abort(self, h, payload.decode("utf-8", "replace"))
                     elif t == wire.CONTROL:

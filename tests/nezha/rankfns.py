@@ -287,3 +287,14 @@ def agreed_split(rank, world, port, iters=8, count=1 << 20):
         return (bal.rs.state, bal.rs.used_a, bal.rs.used_b, bal.rs.a, bal.rs.b,
                 [bal.split(n, 4) for n in (100, 40_000, 1 << 20, 16 << 20)],
                 ctx.stats()["rails"][0]["bytes_sent"] > 0)
+
+
+def congestion_of_sockets(rank, world, port, cc):
+    """Every data socket's TCP congestion control, with NEZHA_TCP_CONGESTION=cc."""
+    import socket
+    os.environ["NEZHA_TCP_CONGESTION"] = cc
+    with make_ctx(rank, world, port) as ctx:
+        names = sorted({c.sock.getsockopt(socket.IPPROTO_TCP, 13, 16).rstrip(b"\0").decode()
+                        for c in ctx._engine.conns.values()})
+        ctx.barrier()
+    return names

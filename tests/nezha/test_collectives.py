@@ -47,7 +47,16 @@ def test_baseline_systems(system):
         except OSError:
             pytest.skip("no MPTCP in this kernel")
     res = run_ranks(rankfns.matrix, 3, timeout=60, dtypes=["float32", "int32"], ops=["sum", "min"],
-                    counts=[0, 5, 3 << 20 // 4 + 1], system=system, nrails=3)
+                    counts=[0, 5, (3 << 20) // 4 + 1], system=system, nrails=3)
+    check_matrix(res)
+
+
+@pytest.mark.parametrize("world", [3, 4])
+def test_large_broadcast_is_a_pipelined_chain_from_every_root(world):
+    """6 MiB + 12 bytes: the chain path (>= 256 KiB on 3+ ranks), 12 blocks of odd length;
+    the root differs between the calls, so ranks take different places in the chain."""
+    res = run_ranks(rankfns.matrix, world, timeout=90, dtypes=["float32", "int64"], ops=["sum"],
+                    counts=[(6 << 20) // 8 + 3], nrails=2)
     check_matrix(res)
 
 

@@ -65,3 +65,15 @@ def test_peer_dies_mid_operation():
         assert not ok and not isinstance(v, str), (r, v)
         assert v.isa("CommError"), v
     assert time.monotonic() - t0 < TIMEOUT * 2.5
+
+
+def test_congestion_control_is_set_per_socket():
+    """NEZHA_TCP_CONGESTION: every data socket uses it, whatever the host's default."""
+    avail = open("/proc/sys/net/ipv4/tcp_available_congestion_control").read().split()
+    cc = "reno" if "reno" in avail else avail[0]
+    res = run_ranks(rankfns.congestion_of_sockets, 2, timeout=TIMEOUT * 3, cc=cc)
+    assert all(ok for ok, _ in res.values()), res
+    assert all(v == [cc] for _, v in res.values()), res
+    bad = run_ranks(rankfns.congestion_of_sockets, 2, timeout=TIMEOUT * 3, cc="nosuchcc")
+    assert all(not ok for ok, _ in bad.values())
+    assert "NEZHA_TCP_CONGESTION" in bad[0][1].message

@@ -81,3 +81,21 @@ def test_connection_counts_queued_bytes_as_arrived():
     finally:
         a.close()
         b.close()
+
+
+def test_arrivals_within_a_window_come_from_the_health_samples():
+    lst = socket.create_server(("127.0.0.1", 0))
+    a = socket.create_connection(lst.getsockname())
+    b, _ = lst.accept()
+    lst.close()
+    try:
+        conn = Connection(b, peer=1, rail=0, handler=None)
+        now = time.monotonic()
+        conn.rx_all = 5000
+        conn.arrivals.extend([(now - 0.30, 1000), (now - 0.20, 3000), (now - 0.10, 5000)])
+        assert conn.arrived_within(0.05) == 0          # nothing since the last sample
+        assert conn.arrived_within(0.15) == 2000       # since the sample 0.2 s ago
+        assert conn.arrived_within(10.0) == 4000       # history shorter: the oldest sample
+    finally:
+        a.close()
+        b.close()

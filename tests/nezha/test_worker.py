@@ -72,6 +72,29 @@ def test_worker_duration_mode_same_count_on_all_ranks(tmp_path):
     assert counts[0] == counts[1] > 1
 
 
+def test_worker_warmup_and_at_least_iterations_and_duration(tmp_path):
+    """--warmup 2 --iterations 3 --duration 0.5: two marked warm-up iterations first, then at
+    least 3 measured ones and at least 0.5 s of them (a 4 KiB allreduce: many more than 3)."""
+    out = run_workers(tmp_path, 2, ["--size", "4K", "--warmup", "2", "--iterations", "3",
+                                    "--duration", "0.5"])
+    assert [rc for rc, _ in out] == [0, 0], out
+    for r in range(2):
+        lines = [json.loads(l) for l in open(tmp_path / f"res{r}.jsonl")]
+        iters = [l for l in lines if "iter" in l]
+        assert [l["warmup"] for l in iters[:3]] == [True, True, False]
+        measured = [l for l in iters if not l["warmup"]]
+        assert len(measured) > 3
+        assert measured[-1]["t_end"] - measured[0]["t_start"] >= 0.45
+        assert lines[-1]["warmup"] == 2 and lines[-1]["iterations"] == len(iters)
+    # only the iterations count with no duration: exactly 2 + 3
+    only = tmp_path / "iterations-only"
+    only.mkdir()
+    out = run_workers(only, 2, ["--size", "4K", "--warmup", "2", "--iterations", "3"])
+    assert [rc for rc, _ in out] == [0, 0], out
+    iters = [json.loads(l) for l in open(only / "res0.jsonl") if '"iter"' in l]
+    assert len(iters) == 5 and sum(not l["warmup"] for l in iters) == 3
+
+
 def test_worker_reports_comm_errors(tmp_path):
     # rank 1 uses a different size: a clear error and a non-zero exit on both ranks
     port = free_port()
