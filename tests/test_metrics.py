@@ -83,6 +83,14 @@ def failover_world(stall_end: float = 3.35, heal_at: float = 5.3):
     return {"r0": r0, "r1": r1}, in_flight_end
 
 
+def world_spans(stall_end: float = 3.35, heal_at: float = 5.3):
+    """The collectives of failover_world: 200 ms dual-rail iterations, the hit one lasting until
+    r0 has carried the rest (stall_end + 0.4), then 400 ms single-rail ones, then dual again."""
+    dual = pattern(0.5, 3.0, 0.2, 0.02)
+    return (dual[:-1] + [(dual[-1][0], stall_end + 0.4)]
+            + pattern(stall_end + 0.42, heal_at, 0.4, 0.02) + pattern(heal_at, 8.0, 0.2, 0.02))
+
+
 def fault_record(t_applied=3.0, t_end=5.0, action="link-down", target="h2.r1", rails=("r1",)):
     return {"index": 0, "action": action, "target": target, "target_kind": "link",
             "label": f"{action} {target}", "at": t_applied, "t_applied": t_applied,
@@ -153,9 +161,7 @@ def test_failover_of_a_known_stall_within_20ms():
     s = synth_samples(active)
     f = fault_record(3.0, 5.0)
     ev = [{"t": 3.08, "event": "rail_down", "rank": 1, "rail": 1, "peer": 0}]
-    dual = pattern(0.5, 3.0, 0.2, 0.02)
-    spans = dual[:-1] + [(dual[-1][0], 3.35 + 0.4)] + pattern(3.77, 5.3, 0.4, 0.02)
-    m = metrics.compute(TOPO, SCEN, s, span_records(spans), ev, [f], t0=0.0)
+    m = metrics.compute(TOPO, SCEN, s, span_records(world_spans(3.35)), ev, [f], t0=0.0)
     row = m["detail"]["faults"][0]
     assert in_flight_end > 3.05          # r0 kept carrying its own share after the fault ...
     assert m["failover_ms"] == pytest.approx(350, abs=20), row   # ... the stall still counts

@@ -12,10 +12,10 @@ from testbed.scenario import Expectation, build as build_scenario
 
 try:
     from tests.test_metrics import (TOPO, SCEN, failover_world, fault_record, iteration_records,
-                                    synth_samples)
+                                    span_records, synth_samples, world_spans)
 except ImportError:  # rootdir not importable as a package (pytest importmode)
     from test_metrics import (TOPO, SCEN, failover_world, fault_record, iteration_records,
-                              synth_samples)
+                              span_records, synth_samples, world_spans)
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -53,7 +53,7 @@ def run_data():
     active, _ = failover_world()
     samples = synth_samples(active)
     faults = [fault_record(3.0, 5.0)]
-    its = iteration_records(n=10)
+    its = span_records(world_spans())
     its[3]["ok"] = False
     events = [{"t": 3.08, "event": "rail_down", "rank": 1, "rail": 1, "peer": 0}]
     m = metrics.compute(TOPO, SCEN, samples, its, events, faults, t0=0.0,
