@@ -28,6 +28,8 @@ LEVEL_QUANTILE = 90      # the "active" level of a set of rails: this percentile
 PRE_WINDOW_S = 3.0       # how far before a fault its reference (pattern, share) is taken
 SETTLE_S = 0.5           # after a fault's end, excluded from steady-state shares
 STEADY_S = 1.0           # stalls closer than this to each other belong to the same failover
+REROUTE_GRACE_S = 0.1    # after detection, rerouted work is queued within this: a later stall
+                         # is not a wait for the failover
 RECOVERY_SHARE = 0.5     # a healed rail has recovered at this fraction of its pre-fault share
 SUSTAIN_S = 0.25         # ... held over two consecutive windows of this length
 ACTIVITY_FLOOR = 0.01    # traffic below 1 % of the rails' nominal sum is background, not work
@@ -306,8 +308,10 @@ def failover(f: dict, rates: Rates, fault_rails: Sequence[str], rails: Sequence[
     natural dips between iterations. A gap after the fault is a *stall* when it is longer than
     that. The failover ends at the end of the last stall of the first chain of stalls (stalls
     less than STEADY_S apart) that starts within the fault window and ends after t_applied;
-    only stalls that begin before the iteration in flight at the fault has completed count (a
-    dip in a later iteration is the workload's own rhythm, not the failover);
+    only stalls that begin before ``onset_limit`` count: the iteration in flight at the fault
+    has completed (a dip in a later iteration is the workload's own rhythm), or the failed
+    rail's work was moved (detection + REROUTE_GRACE_S: later, the surviving rails are not
+    waiting for the failover);
     the end is refined inside its 20 ms bins assuming traffic resumes at level L. So it is the
     time from the fault until the surviving rails carry traffic at their steady rate again,
     including the time they kept carrying their own share before stalling.
@@ -692,8 +696,14 @@ def compute(topo, scenario, samples: Optional[Samples], iterations: Sequence[dic
             else:
                 det_vals.append(d["detection_ms"])
             if rates is not None and len(rates):
+                onset = first_end_after(f["t_applied"], table)
+                if d["detection_ms"] is not None:
+                    # the surviving rails can only be waiting for the failover until the failed
+                    # rail's work has been moved to them
+                    moved = fault_start(f) + d["detection_ms"] / 1e3 + REROUTE_GRACE_S
+                    onset = moved if onset is None else min(onset, moved)
                 fo = failover(f, rates, fr, rails, ordered, windows, run_end, floor,
-                              onset_limit=first_end_after(f["t_applied"], table),
+                              onset_limit=onset,
                               spans=[(r["t_start"], r["t_end"]) for r in table
                                      if r["t_start"] is not None and r["t_end"] is not None])
                 row.update({k: v for k, v in fo.items() if k != "note"},

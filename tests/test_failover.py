@@ -20,7 +20,7 @@ FAULTS = {
     "flapping-500ms": ("{at: 3s, action: flap, target: h2.r1, period: 500ms, for: 3s}", False, True),
     "rate-collapse-1pct": ("{at: 3s, action: rate, target: r1, value: 2mbit, for: 3s}", False, False),
 }
-SHAPES = {"2x2": (2, 2), "4x3": (4, 3)}
+SHAPES = {"2x2": (2, 2), "2x3": (2, 3), "4x2": (4, 2), "4x3": (4, 3)}
 
 
 def topology(kind: str, hosts: int, rails: int) -> str:

@@ -195,6 +195,26 @@ def test_idle_time_between_iterations_is_not_a_stall():
     assert m2["failover_ms"] > 100
 
 
+def test_a_pause_long_after_the_reroute_is_not_failover():
+    """Detected at 80 ms, r0 takes the rerouted work at once and runs on; 1 s after the fault
+    the hit iteration ends with a 60 ms pause (ranks finishing at different times). The
+    survivors were not waiting for the failover then: failover 0, not 1.06 s."""
+    T = 3.0
+    dual = pattern(0.5, T, 0.2, 0.02)
+    hit = (dual[-1][0], 4.1)
+    r0 = dual[:-1] + [(hit[0], 4.0), (4.06, 4.1)] + pattern(4.12, 8.0, 0.4, 0.02)
+    r1 = _cut(dual, T) + [(a, b) for a, b in pattern(4.12, 8.0, 0.4, 0.02) if a >= 5.3]
+    spans = dual[:-1] + [hit] + pattern(4.12, 8.0, 0.4, 0.02)
+    ev = [{"t": 3.08, "event": "rail_down", "rank": 1, "rail": 1, "peer": 0}]
+    m = metrics.compute(TOPO, SCEN, synth_samples({"r0": r0, "r1": r1}), span_records(spans), ev,
+                        [fault_record()], t0=0.0)
+    assert m["failover_ms"] == 0.0, m["detail"]["faults"][0]
+    # without the detection, the end-of-iteration pause would count
+    m2 = metrics.compute(TOPO, SCEN, synth_samples({"r0": r0, "r1": r1}), span_records(spans),
+                         [], [fault_record()], t0=0.0)
+    assert m2["failover_ms"] > 1000
+
+
 def test_no_stall_beyond_natural_dips_is_zero_failover():
     # r0 never pauses longer than its usual 20 ms dips: traffic moved on without interruption
     T = 3.0
