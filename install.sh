@@ -16,7 +16,8 @@ if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && [ "${1:-}" != "--force"
     exit 0
 fi
 
-packages=(iproute2 nftables iptables iperf3 mininet bridge-utils ethtool tcpdump procps iputils-ping util-linux kmod python3 python3-venv python3-pip)
+# ruby only for the test suite's Vagrantfile syntax check (tests/test_readme.py)
+packages=(iproute2 nftables iptables iperf3 mininet bridge-utils ethtool tcpdump procps iputils-ping util-linux kmod python3 python3-venv python3-pip ruby)
 missing=()
 for p in "${packages[@]}"; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -8,7 +8,7 @@ Modules, in the order data flows:
   rails        rail specs (IPv4 address or interface name) -> addresses
   transport/   Transport + Connection (TCP per rail, MPTCP), reader/writer threads
   wire         the 64-byte frame header (documented there)
-  collectives  pipelined ring reduce-scatter/allgather, star broadcast
+  collectives  pipelined ring reduce-scatter/allgather, star or chain broadcast
   engine       posted receives, staging, chunking over rails, ACKs, reroute, abort
   balance      cost model T = a + s*b, estimates, agreement, cold/hot state machine
   health       watchdog, heartbeats, netlink link events, rail reports, re-probe/rejoin

@@ -28,7 +28,8 @@ their offsets; identical splits keep the ring's links evenly loaded.)
 
 Exchange schedule (``want_exchange``): in COLD before the next op of >= EXCH_MIN_BYTES once
 ``cold_interval`` ops have passed (1 at first; doubled up to 16 after each exchange that
-leaves the state COLD; back to 1 when the rail set changes or HOT falls back to COLD); in HOT every 16 such ops; in any state at least every 64 (COLD) / 128 (HOT) ops.
+leaves the state COLD; back to 1 when the rail set changes or HOT falls back to COLD); in HOT
+every 16 such ops; in any state at least every 64 (COLD) / 128 (HOT) ops.
 
 Cold/hot state machine for the current set of live rails::
 
@@ -264,6 +265,7 @@ class Balancer:
         # in COLD, exchange after every large op at first, then back off (x2 up to 16) while
         # the estimates do not settle, so a noisy environment does not pay for one every op
         self.cold_interval = 1
+        self._last_live: tuple = tuple(range(nrails))
 
     # ---- measurements (called from transport threads)
     def record_a(self, rail, seconds):
@@ -317,7 +319,7 @@ class Balancer:
 
     def set_live(self, live) -> list:
         evs = self.rs.set_live(live)
-        if evs or tuple(sorted(live)) != getattr(self, "_last_live", None):
+        if evs or tuple(sorted(live)) != self._last_live:
             self.cold_interval = 1
         self._last_live = tuple(sorted(live))
         if evs:

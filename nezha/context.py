@@ -10,9 +10,10 @@ NEZHA_MASTER_PORT (and optionally NEZHA_SYSTEM, NEZHA_TIMEOUT, NEZHA_EVENT_LOG).
 Other knobs (environment): NEZHA_STORE_EXTERNAL=1 (rank 0 does not serve the store),
 NEZHA_SOCKBUF (SO_SNDBUF/SO_RCVBUF bytes; default: kernel autotuning),
 NEZHA_TCP_USER_TIMEOUT_MS (default: the context timeout), NEZHA_NOTSENT_LOWAT (256 KiB),
-NEZHA_STAGING_LIMIT (1 GiB), NEZHA_PIPE_BLOCK (2 MiB), NEZHA_WATCHDOG_MS (80),
-NEZHA_HEARTBEAT_MS (100), NEZHA_HEARTBEAT_TIMEOUT_MS (1500), NEZHA_LINK_EVENTS=0 (no
-netlink watcher), NEZHA_LOG_OPS=1, NEZHA_DEBUG_SAMPLES=1.
+NEZHA_STAGING_LIMIT (1 GiB), NEZHA_PIPE_BLOCK (2 MiB), NEZHA_WATCHDOG_MS (60),
+NEZHA_CHECK_TIMEOUT_MS (100), NEZHA_HEARTBEAT_MS (100), NEZHA_HEARTBEAT_TIMEOUT_MS (1500),
+NEZHA_LINK_EVENTS=0 (no netlink watcher), NEZHA_TCP_CONGESTION (per-socket congestion
+control, e.g. cubic), NEZHA_LOG_OPS=1, NEZHA_DEBUG_SAMPLES=1, NEZHA_TRACE=1 (tx/rx per chunk).
 
 Semantics: collectives are called in the same order with matching arguments on every rank
 (a mismatch is detected and raised on every rank, at the latest at the next collective);
@@ -239,18 +240,13 @@ class Context:
         errors: list = []
         lock = threading.Lock()
 
-        def handshake(rail, s, addr):
-            try:
-                m = self._read_hello(s, max(0.1, min(HELLO_TIMEOUT, deadline - time.monotonic())))
-                if m["session"] != session or m["rail"] != rail or (m["rank"], rail) not in expected:
-                    raise ConnectionError(f"unexpected HELLO {m}")
-                tr.tune(s)
-                with lock:
-                    if (m["rank"], rail) in socks:
-                        raise ConnectionError(f"second connection from rank {m['rank']} rail {rail}")
-                    socks[(m["rank"], rail)] = s
-            except (OSError, ValueError, KeyError, TypeError, NezhaError, ConnectionError) as e:
-                self._reject(s, rail, addr, e)
+        def admit(rail, s, m):
+            if m["session"] != session or m["rail"] != rail or (m["rank"], rail) not in expected:
+                raise ConnectionError(f"unexpected HELLO {m}")
+            with lock:
+                if (m["rank"], rail) in socks:
+                    raise ConnectionError(f"second connection from rank {m['rank']} rail {rail}")
+                socks[(m["rank"], rail)] = s
 
         def accept_loop(rail, lsock):
             while True:
@@ -268,10 +264,8 @@ class Context:
                 except OSError as e:
                     errors.append(e)
                     return
-                # each handshake in its own thread: a peer that sends half a HELLO and holds
-                # the socket must not keep the real ranks waiting at accept()
-                threading.Thread(target=handshake, args=(rail, s, addr), daemon=True,
-                                 name=f"nz-hello-r{rail}").start()
+                self._start_handshake(rail, s, addr, admit,
+                                      max(0.1, min(HELLO_TIMEOUT, deadline - time.monotonic())))
 
         threads = [threading.Thread(target=accept_loop, args=(r, ls), daemon=True)
                    for r, ls in enumerate(tr.listeners)] if expected else []
@@ -330,6 +324,19 @@ class Context:
             raise ConnectionError("HELLO body is not a JSON object")
         return m
 
+    def _start_handshake(self, rail, s, addr, admit, timeout: float) -> None:
+        """Read the HELLO of an accepted connection and hand it to ``admit(rail, s, hello)``
+        (which raises to refuse it), in a thread of its own: a peer that sends half a HELLO
+        and holds the socket must not keep the real ranks waiting at accept()."""
+        def run():
+            try:
+                m = self._read_hello(s, timeout)
+                self._transport.tune(s)
+                admit(rail, s, m)
+            except (OSError, ValueError, KeyError, TypeError, NezhaError, ConnectionError) as e:
+                self._reject(s, rail, addr, e)
+        threading.Thread(target=run, daemon=True, name=f"nz-hello-r{rail}").start()
+
     def _reject(self, s, rail, addr, why):
         """Close a connection that is not one of ours, and say so in the event log."""
         try:
@@ -368,20 +375,14 @@ class Context:
                 continue
             except OSError:
                 return
-            threading.Thread(target=self._rejoin_handshake, args=(rail, s, addr), daemon=True,
-                             name=f"nz-rejoin-r{rail}").start()
+            self._start_handshake(rail, s, addr, self._admit_rejoin, 2.0)
 
-    def _rejoin_handshake(self, rail, s, addr):
-        try:
-            m = self._read_hello(s, 2.0)
-            peer = int(m["rank"])
-            if (m["session"] != self._session or m["rail"] != rail or
-                    not self.rank < peer < self.world_size):
-                raise ConnectionError(f"unexpected HELLO {m}")
-            self._transport.tune(s)
-            self._install(s, peer, rail, "accepted")
-        except (OSError, ValueError, KeyError, TypeError, NezhaError, ConnectionError) as e:
-            self._reject(s, rail, addr, e)
+    def _admit_rejoin(self, rail, s, m):
+        peer = int(m["rank"])
+        if (m["session"] != self._session or m["rail"] != rail or
+                not self.rank < peer < self.world_size):
+            raise ConnectionError(f"unexpected HELLO {m}")
+        self._install(s, peer, rail, "accepted")
 
     def _rejoin(self, peer, rail):
         """Reconnect a failed rail to a lower rank (called by the health thread)."""

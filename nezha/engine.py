@@ -13,6 +13,7 @@ therefore delayed, which bounds how far a peer can run ahead (one operation).
 """
 from __future__ import annotations
 
+import json
 import threading
 import time
 
@@ -123,13 +124,15 @@ class Engine:
         if c is not None and c.unacked > 0:
             c.unacked -= 1
 
-    def _ctrl(self, peer, frame: bytes, prefer=None):
-        """Queue a control frame to ``peer`` on ``prefer`` or any live rail."""
+    def _ctrl(self, peer, frame: bytes, avoid=None) -> bool:
+        """Queue a control frame to ``peer`` on a live rail, one other than ``avoid`` when there
+        is one. False if no rail to the peer is left."""
         rails = self.live_rails(peer, data=False)
         if not rails:
-            return
-        rail = prefer if prefer in rails else rails[0]
-        self.conns[(peer, rail)].put(frame)
+            return False
+        others = [r for r in rails if r != avoid]
+        self.conns[(peer, (others or rails)[0])].put(frame)
+        return True
 
     def _ack(self, conn, h, delayed: bool):
         frame = wire.pack(wire.ACK, h.kind, 0, 0, conn.rail, self.rank, h.length, h.op_id, h.step,
@@ -462,7 +465,6 @@ class Engine:
         self.fatal(PeerAbortedError(f"rank {h.src} failed: {text}"))
 
     def on_control(self, conn, h, payload):
-        import json
         try:
             m = json.loads(payload)
             kind, rail = m["what"], int(m["rail"])
@@ -489,18 +491,10 @@ class Engine:
                                int(m.get("seq", 0)), m.get("conn"))
 
     def send_control(self, peer: int, body: dict, avoid=None) -> bool:
-        """A CONTROL frame with a JSON body to ``peer``, on a live rail other than ``avoid``
-        when there is one. False if no rail to the peer is left."""
-        import json
+        """A CONTROL frame with a JSON body to ``peer`` (see ``_ctrl`` for the rail)."""
         data = json.dumps(body).encode()
-        frame = wire.pack(wire.CONTROL, 0, 0, 0, 0, self.rank, 0, self.op_seq, 0, 0, 0,
-                          len(data), 0, 0) + data
-        rails = self.live_rails(peer, data=False)
-        if not rails:
-            return False
-        others = [r for r in rails if r != avoid]
-        self.conns[(peer, (others or rails)[0])].put(frame)
-        return True
+        return self._ctrl(peer, wire.pack(wire.CONTROL, 0, 0, 0, 0, self.rank, 0, self.op_seq,
+                                          0, 0, 0, len(data), 0, 0) + data, avoid)
 
     def _apply_report(self, kind, rail, reporter, peer, op, seq=0, ident=None):
         if kind == "down" and peer == self.rank and reporter != self.rank:
@@ -533,18 +527,14 @@ class Engine:
         down / came back, and apply it here. Everyone stops / resumes using the rail for data.
         Reports carry a per-sender sequence number (they may travel on different rails and
         overtake each other) and the TCP ports of the connection concerned."""
-        import json
         with self.cond:
             self._my_seq += 1
             seq = self._my_seq
-        body = json.dumps({"what": kind, "rail": rail, "peer": peer, "op": self.op_seq, "seq": seq,
-                           "conn": list(conn.ident) if conn is not None else None}).encode()
+        body = {"what": kind, "rail": rail, "peer": peer, "op": self.op_seq, "seq": seq,
+                "conn": list(conn.ident) if conn is not None else None}
         for p in range(self.world):
-            if p == self.rank:
-                continue
-            frame = wire.pack(wire.CONTROL, 0, 0, 0, 0, self.rank, 0, self.op_seq, 0, 0, 0,
-                              len(body), 0, 0) + body
-            self._ctrl(p, frame)
+            if p != self.rank:
+                self.send_control(p, body)
         self._apply_report(kind, rail, self.rank, peer, self.op_seq, seq)
 
     def on_probe(self, conn, h):

@@ -36,6 +36,7 @@ import socket
 import struct
 import threading
 import time
+from typing import NamedTuple, Optional
 
 from . import wire
 from .errors import CommError
@@ -52,35 +53,34 @@ RTO_FACTOR = 1.25
 TICK = 0.01
 
 
-def tcp_state(sock) -> dict:
-    """A few TCP_INFO fields for the event log (why a rail looked stalled)."""
-    try:
-        b = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 232)
-        return {"rto_ms": struct.unpack_from("I", b, 8)[0] / 1e3,
-                "rtt_ms": struct.unpack_from("I", b, 68)[0] / 1e3,
-                "cwnd": struct.unpack_from("I", b, 80)[0],
-                "unacked": struct.unpack_from("I", b, 24)[0],
-                "retrans": struct.unpack_from("I", b, 100)[0],
-                "backoff": b[4]}
-    except (OSError, struct.error, IndexError):
-        return {}
+class TcpInfo(NamedTuple):
+    """The TCP_INFO fields the watchdog reads (Linux ``struct tcp_info``)."""
+    delivered: int       # segments delivered (tcpi_delivered)
+    unacked: int         # segments in flight
+    rto: float           # retransmission timeout, s (backed off, if TCP is in back-off)
+    last_ack: float      # s since the last ACK arrived
+    rtt: float           # smoothed RTT, s
+    cwnd: int
+    retrans: int         # total retransmitted segments
+    backoff: int         # RTO back-off count
+
+    def for_log(self) -> dict:
+        return {"rto_ms": self.rto * 1e3, "rtt_ms": self.rtt * 1e3, "cwnd": self.cwnd,
+                "unacked": self.unacked, "retrans": self.retrans, "backoff": self.backoff}
 
 
-def tcp_progress(sock):
-    """(delivered segments, unacked segments, notsent bytes, rto seconds, seconds since the
-    last ACK arrived) from TCP_INFO, or None."""
+def tcp_info(sock) -> Optional[TcpInfo]:
+    """TCP_INFO of ``sock``, or None where the kernel does not give it (MPTCP, non-Linux)."""
     try:
         b = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 232)
     except OSError:
         return None
     if len(b) < 200:
         return None
-    rto = struct.unpack_from("I", b, 8)[0] / 1e6
-    unacked = struct.unpack_from("I", b, 24)[0]
-    notsent = struct.unpack_from("I", b, 144)[0]
-    delivered = struct.unpack_from("I", b, 192)[0]
-    last_ack = struct.unpack_from("I", b, 56)[0] / 1e3      # tcpi_last_ack_recv, ms
-    return delivered, unacked, notsent, rto, last_ack
+    u32 = lambda off: struct.unpack_from("I", b, off)[0]  # noqa: E731
+    return TcpInfo(delivered=u32(192), unacked=u32(24), rto=u32(8) / 1e6,
+                   last_ack=u32(56) / 1e3, rtt=u32(68) / 1e6, cwnd=u32(80), retrans=u32(100),
+                   backoff=b[4])
 
 
 class RailStalled(CommError):
@@ -135,9 +135,8 @@ class Health:
                 conn.arrivals.append((now, conn.arrived()))
                 if conn.unacked > 0:
                     limit = self.stall_limit(rail)
-                    tp = tcp_progress(conn.sock) if conn.tcp_info_ok else None
-                    rto_now = 0.0
-                    if tp is None:
+                    ti = tcp_info(conn.sock) if conn.tcp_info_ok else None
+                    if ti is None:
                         conn.tcp_info_ok = False
                         since = max(conn.busy_since, conn.last_ack)
                         limit *= 10
@@ -145,24 +144,22 @@ class Health:
                     else:
                         # segments in flight and none delivered: the path is black. (A slow
                         # receiver closes its window instead: nothing in flight, not a fault.)
-                        delivered, inflight, notsent, rto, last_ack = tp
-                        rto_now = rto
-                        if delivered != conn.tcp_delivered or not inflight:
-                            conn.tcp_delivered = delivered
+                        if ti.delivered != conn.tcp_delivered or not ti.unacked:
+                            conn.tcp_delivered = ti.delivered
                             conn.tcp_moved = now
-                            conn.tcp_rto = rto
+                            conn.tcp_rto = ti.rto
                         since = max(conn.tcp_moved, conn.busy_since)
                         # one lost segment costs TCP a retransmission timeout: not a fault.
                         # The RTO as it was when delivery last moved: during a black hole
                         # TCP backs off (doubles) the current one, which would push the
                         # limit further out with every retransmission.
-                        limit = max(limit, RTO_FACTOR * min(rto, conn.tcp_rto or rto))
+                        limit = max(limit, RTO_FACTOR * min(ti.rto, conn.tcp_rto or ti.rto))
                         # ...and no ACK at all for as long: a congested or lossy rail still
                         # returns (duplicate) ACKs while delivery waits on a retransmission;
                         # a black hole returns nothing
-                        stuck = inflight and now - since > limit and last_ack > limit
+                        stuck = ti.unacked > 0 and now - since > limit and ti.last_ack > limit
                     if stuck:
-                        self.check(conn, now, now - since, limit, rto_now)
+                        self.check(conn, now, now - since, limit, ti)
                         continue
                     conn.check_id = None
                 if now - conn.last_rx > HEARTBEAT_TIMEOUT:
@@ -177,7 +174,8 @@ class Health:
             if self.eng.error is None and not self.eng.closing:
                 self.probe(time.monotonic())
 
-    def check(self, conn, now: float, stalled: float, limit: float, rto: float = 0.0) -> None:
+    def check(self, conn, now: float, stalled: float, limit: float,
+              ti: Optional[TcpInfo] = None) -> None:
         """The watchdog saw no progress: ask the peer, over another rail, whether our bytes
         still reach it in the last ``stalled`` seconds. A rail whose rate was cut tenfold keeps
         delivering data while its ACKs queue behind full buffers (or TCP sits out a spurious
@@ -198,12 +196,12 @@ class Health:
             self.suspect(conn, why)          # the last rail: only logged, see suspect()
             return
         window = stalled
-        if now - conn.check_ok_t < CHECK_MEMORY:
-            window = max(stalled, RTO_FACTOR * rto)
+        if ti is not None and now - conn.check_ok_t < CHECK_MEMORY:
+            window = max(stalled, RTO_FACTOR * ti.rto)
         self._check_seq += 1
         conn.check_id, conn.check_t, conn.check_why = self._check_seq, now, why
         self.eng.events.emit("rail_check", peer=conn.peer, rail=conn.rail, stalled_ms=stalled * 1e3,
-                             window_ms=window * 1e3, tcp=tcp_state(conn.sock))
+                             window_ms=window * 1e3, tcp=ti.for_log() if ti else None)
         self.eng.send_control(conn.peer, {"what": "arrivals?", "rail": conn.rail,
                                           "id": conn.check_id, "window": window},
                               avoid=conn.rail)

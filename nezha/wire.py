@@ -36,9 +36,12 @@ Per type:
     op_total = 0 delivered, 1 delivered after waiting in staging, 2 progress only (arrived,
     staged; the full ACK follows when the receive is posted).
   * HEARTBEAT: no payload; sent on idle connections.
-  * CONTROL: payload JSON {"what": "down"|"up", "rail", "peer", "op", "seq",
-    "conn": [local port, remote port]}: a rank's report that its link to ``peer`` on
-    ``rail`` failed / rejoined.
+  * CONTROL: payload JSON with "what" and "rail":
+    {"what": "down"|"up", "rail", "peer", "op", "seq", "conn": [local port, remote port]}: a
+    rank's report that its link to ``peer`` on ``rail`` failed / rejoined;
+    {"what": "arrivals?", "rail", "id", "window"}: the watchdog asks whether the sender's bytes
+    still reach the receiver on that rail; {"what": "arrivals", "rail", "id", "bytes"}: the
+    answer, bytes that arrived in the last ``window`` seconds.
   * ABORT: payload UTF-8 reason; the sender failed, every receiver fails too.
   * BYE: graceful close (the receiver flushes and closes its side).
   * PROBE: reserved.

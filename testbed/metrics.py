@@ -365,8 +365,8 @@ def failover(f: dict, rates: Rates, fault_rails: Sequence[str], rails: Sequence[
     stalls = [(a, b) for a, b in _runs(gap)
               if b > kT and a < kE and (b - a) > natural]
     if onset_limit is not None:
-        # a stall that begins after the iteration in flight at the fault has completed is not
-        # part of the failover: the work had already moved (a natural dip of a later one)
+        # a stall that begins after the iteration in flight at the fault has completed (a dip
+        # of a later one), or after the failed rail's work was moved, is not the failover
         late = [x for x in stalls if rates.edges[x[0]] > onset_limit]
         stalls = [x for x in stalls if rates.edges[x[0]] <= onset_limit]
         if late:
@@ -581,16 +581,12 @@ def compute(topo, scenario, samples: Optional[Samples], iterations: Sequence[dic
         out["busbw_mbps"] = bw[main][size]["median_mbps"]
     else:
         notes["busbw_mbps"] = f"no complete iteration of {main or 'any system'} to time"
-    single = None
     if "single" in bw and main in bw and main != "single":
-        common = set(bw["single"]) & set(bw[main])
-        if common:
-            s = max(common)
-            single = bw["single"][s]["median_mbps"]
-            out["busbw_vs_single_rail"] = bw[main][s]["median_mbps"] / single
-    if "single" in bw and main in bw and main != "single":
-        for s in sorted(set(bw["single"]) & set(bw[main])):
+        common = sorted(set(bw["single"]) & set(bw[main]))
+        for s in common:
             out[sized_metric(s)] = bw[main][s]["median_mbps"] / bw["single"][s]["median_mbps"]
+        if common:
+            out["busbw_vs_single_rail"] = out[sized_metric(common[-1])]
     if out["busbw_vs_single_rail"] is None and _num(extra.get("single_rail_busbw_mbps")) \
             and out["busbw_mbps"] is not None and extra["single_rail_busbw_mbps"] > 0:
         out["busbw_vs_single_rail"] = out["busbw_mbps"] / extra["single_rail_busbw_mbps"]

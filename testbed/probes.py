@@ -58,8 +58,7 @@ def iperf3(fabric: Fabric, src: str, dst: str, rail: str, seconds: float = 3.0,
     dst_ip, src_ip = topo.address(dst, rail), topo.address(src, rail)
     server = fabric.hosts[dst].popen(["iperf3", "-s", "-1", "-B", dst_ip, "-p", str(port)],
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    from .capabilities import probe
-    cc = probe().congestion_control(topo)
+    cc = fabric.caps.congestion_control(topo)
     try:
         for _ in range(100):   # until the server listens
             r = fabric.hosts[src].run(["iperf3", "-c", dst_ip, "-B", src_ip, "-p", str(port),

@@ -109,9 +109,8 @@ class WorkloadRunner:
         self.current: list[RankProcess] = []
         self._port = BASE_PORT
         self._mptcp_ready = False
-        from .capabilities import probe
         # every rank's sockets use it (NEZHA_TCP_CONGESTION), whatever the namespace default
-        self.congestion = probe().congestion_control(fabric.topo)
+        self.congestion = fabric.caps.congestion_control(fabric.topo)
 
     def env_for(self, host: str, rank: int, port: int, phase: Phase, events: Path,
                 results: Path) -> dict:

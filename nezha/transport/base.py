@@ -3,15 +3,15 @@ from __future__ import annotations
 
 import fcntl
 import queue
-from collections import deque
 import socket
 import struct
 import termios
 import threading
 import time
+from collections import deque
 
 from .. import wire
-from ..errors import CommError, PeerClosedError, ProtocolError
+from ..errors import CommError, ConfigError, PeerClosedError, ProtocolError
 
 
 def recv_exact_into(sock, view, what="frame", counter=None) -> bool:
@@ -78,7 +78,6 @@ class Transport:
             s.setsockopt(socket.IPPROTO_TCP, 13, self.congestion.encode())
         except OSError as e:
             if self.name != "mptcp" or s.proto != 262:
-                from ..errors import ConfigError
                 raise ConfigError(f"NEZHA_TCP_CONGESTION={self.congestion!r}: the kernel "
                                   f"refused it ({e.strerror or e}); see /proc/sys/net/ipv4/"
                                   f"tcp_available_congestion_control") from e

@@ -11,7 +11,7 @@ import pytest
 from nezha import wire
 from nezha.engine import Engine
 from nezha.events import Events
-from nezha.transport.base import Connection
+from nezha.transport.base import Connection, recv_exact_into
 
 
 class Recorder:
@@ -63,39 +63,37 @@ def test_a_share_that_was_all_queued_gives_no_sample():
     assert slot.complete and rec.b == []     # it says nothing about the rail's speed
 
 
-def test_connection_counts_queued_bytes_as_arrived():
+@pytest.fixture
+def tcp_conn():
+    """(sending socket, Connection on the receiving end) over loopback; threads not started."""
     lst = socket.create_server(("127.0.0.1", 0))
     a = socket.create_connection(lst.getsockname())
     b, _ = lst.accept()
     lst.close()
     try:
-        conn = Connection(b, peer=1, rail=0, handler=None)
-        a.sendall(b"x" * 5000)
-        deadline = time.monotonic() + 2
-        while conn.arrived() < 5000 and time.monotonic() < deadline:
-            time.sleep(0.001)
-        assert conn.arrived() == 5000        # nothing read yet: all of it waits in the queue
-        b.recv(3000)
-        conn.rx_all += 3000
-        assert conn.arrived() == 5000        # reading moves bytes from the queue to rx_all
+        yield a, Connection(b, peer=1, rail=0, handler=None)
     finally:
         a.close()
         b.close()
 
 
-def test_arrivals_within_a_window_come_from_the_health_samples():
-    lst = socket.create_server(("127.0.0.1", 0))
-    a = socket.create_connection(lst.getsockname())
-    b, _ = lst.accept()
-    lst.close()
-    try:
-        conn = Connection(b, peer=1, rail=0, handler=None)
-        now = time.monotonic()
-        conn.rx_all = 5000
-        conn.arrivals.extend([(now - 0.30, 1000), (now - 0.20, 3000), (now - 0.10, 5000)])
-        assert conn.arrived_within(0.05) == 0          # nothing since the last sample
-        assert conn.arrived_within(0.15) == 2000       # since the sample 0.2 s ago
-        assert conn.arrived_within(10.0) == 4000       # history shorter: the oldest sample
-    finally:
-        a.close()
-        b.close()
+def test_connection_counts_queued_bytes_as_arrived(tcp_conn):
+    a, conn = tcp_conn
+    a.sendall(b"x" * 5000)
+    deadline = time.monotonic() + 2
+    while conn.arrived() < 5000 and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert conn.arrived() == 5000        # nothing read yet: all of it waits in the queue
+    assert recv_exact_into(conn.sock, memoryview(bytearray(3000)), "payload", conn)
+    assert conn.rx_all == 3000            # the reader counts as it reads...
+    assert conn.arrived() == 5000        # ...so reading only moves bytes from queue to rx_all
+
+
+def test_arrivals_within_a_window_come_from_the_health_samples(tcp_conn):
+    _, conn = tcp_conn
+    now = time.monotonic()
+    conn.rx_all = 5000
+    conn.arrivals.extend([(now - 0.30, 1000), (now - 0.20, 3000), (now - 0.10, 5000)])
+    assert conn.arrived_within(0.05) == 0          # nothing since the last sample
+    assert conn.arrived_within(0.15) == 2000       # since the sample 0.2 s ago
+    assert conn.arrived_within(10.0) == 4000       # history shorter: the oldest sample

@@ -147,7 +147,6 @@ def test_from_env(monkeypatch):
 
 
 def test_gloo_without_torch_is_a_clear_config_error():
-    pytest.importorskip  # noqa: B018
     try:
         import torch  # noqa: F401
         pytest.skip("torch is installed")
