@@ -5,7 +5,7 @@ The `nezha_testbed` pytest plugin (installed with the package) provides the fixt
 """
 import pytest
 
-from testbed import probes
+from testbed.run import probes
 
 TWO_RAILS = """
 name: my-two-rails

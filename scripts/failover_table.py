@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from test_failover import FAULTS, topology  # noqa: E402
 
 from testbed import spec  # noqa: E402
-from testbed.runner import run_topology  # noqa: E402
+from testbed.run.runner import run_topology  # noqa: E402
 
 COLS = ("detection_ms", "failover_ms", "iteration_stall_ms", "recovery_ms")
 

@@ -14,8 +14,8 @@ import sys
 import time
 from typing import Callable
 
-from . import spec
-from .fabric import Fabric
+from testbed.model import spec
+from testbed.fabric import Fabric
 
 RATE_MBIT = 100
 

@@ -12,8 +12,9 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
-from . import netns, state
-from .errors import TestbedError
+from testbed.kernel import netns
+from testbed.fabric import state
+from testbed.errors import TestbedError
 
 DEFAULT_TOPOLOGY = Path(__file__).resolve().parent.parent / "topologies" / "default.yaml"
 
@@ -44,9 +45,9 @@ def _one_run(name: Optional[str]) -> state.RunState:
 
 # ------------------------------------------------------------------------------------- verbs
 def cmd_validate(args) -> int:
-    from .capabilities import probe
-    from .scenario import build
-    from .spec import check_capabilities, load
+    from testbed.kernel.capabilities import probe
+    from testbed.model.scenario import build
+    from testbed.model.spec import check_capabilities, load
     topo = load(args.file)
     if not args.no_kernel:
         check_capabilities(topo, probe())
@@ -68,8 +69,8 @@ def cmd_validate(args) -> int:
 
 
 def cmd_up(args) -> int:
-    from .fabric import Fabric
-    from .spec import load
+    from testbed.fabric import Fabric
+    from testbed.model.spec import load
     _require_root()
     topo = load(args.file)
     fab = Fabric(topo, progress=_progress)
@@ -109,7 +110,7 @@ def cmd_exec(args) -> int:
 
 
 def cmd_status(args) -> int:
-    from .fabric import Fabric
+    from testbed.fabric import Fabric
     _require_root()
     runs = state.find(args.name)
     if args.json:
@@ -156,7 +157,7 @@ def cmd_clean(args) -> int:
 
 
 def cmd_doctor(args) -> int:
-    from .capabilities import probe
+    from testbed.kernel.capabilities import probe
     caps = probe()
     rows = caps.as_rows()
     width = max(len(r[0]) for r in rows)
@@ -170,21 +171,21 @@ def cmd_doctor(args) -> int:
 
 
 def cmd_run(args) -> int:
-    from .runner import run_file
+    from testbed.run.runner import run_file
     _require_root()
     return run_file(args.file or DEFAULT_TOPOLOGY, results_dir=args.results,
                     backend=args.backend, capture=args.capture)
 
 
 def cmd_shell(args) -> int:
-    from .shell import run_shell
-    from .spec import load
+    from testbed.shell import run_shell
+    from testbed.model.spec import load
     _require_root()
     return run_shell(load(args.file), backend=args.backend, progress=_progress)
 
 
 def cmd_pcap(args) -> int:
-    from .pcap_report import main as pcap_main
+    from testbed.pcap.report import main as pcap_main
     return pcap_main(args.results, as_json=args.json, rails=args.rails)
 
 

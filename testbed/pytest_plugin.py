@@ -43,7 +43,7 @@ def _missing(marker: str) -> str | None:
         except (OSError, subprocess.CalledProcessError) as e:
             return f"network namespaces unusable: {e}"
     if marker == "needs_netem":
-        from .capabilities import probe
+        from testbed.kernel.capabilities import probe
         caps = probe()
         if not caps.netem:
             return "kernel lacks sch_netem (delay/jitter cannot be emulated): " + \
@@ -61,7 +61,7 @@ def pytest_runtest_setup(item) -> None:
 
 def load_topology(src: TopologyArg, base: Path | None = None):
     """A Topology from a path, an inline YAML string, or an already-loaded mapping."""
-    from .spec import load, parse
+    from testbed.model.spec import load, parse
     if isinstance(src, dict):
         return parse(src)
     if isinstance(src, Path) or (isinstance(src, str) and "\n" not in src
@@ -76,7 +76,7 @@ def load_topology(src: TopologyArg, base: Path | None = None):
 @pytest.fixture
 def fabric_factory(request) -> Callable[[TopologyArg], Any]:
     """Build fabrics on demand; each is torn down when the test ends, whatever happens."""
-    from .fabric import Fabric
+    from testbed.fabric import Fabric
     built: list[Fabric] = []
     reason = _missing("needs_netns")
     if reason:
@@ -106,7 +106,7 @@ def fabric(request, fabric_factory):
 def testbed_run(tmp_path, request) -> Callable[..., Any]:
     """Run a whole scenario (workload, faults, metrics, verdict) and return its outcome:
     ``.passed``, ``.metrics``, ``.verdict.failures``, ``.results_dir``."""
-    from .runner import run_topology
+    from testbed.run.runner import run_topology
     reason = _missing("needs_netns")
     if reason:
         pytest.skip(reason)

@@ -26,9 +26,10 @@ import sys
 from dataclasses import replace
 from typing import IO, Callable, Optional
 
-from .errors import SpecError, TestbedError
-from .fabric import Fabric, Link, Rail
-from .units import parse_percent, parse_rate
+from testbed.errors import SpecError, TestbedError
+from testbed.fabric import Fabric, Link, Rail
+from testbed.fabric.guard import sigterm_as_interrupt
+from testbed.model.units import parse_percent, parse_rate
 
 ENDS = ("host", "switch", "both")
 
@@ -255,25 +256,23 @@ class FabricShell(cmd.Cmd):
                 intro = ""
 
 
-def _raise_interrupt(signum, frame):
-    raise KeyboardInterrupt(f"signal {signum}")
-
-
 def run_shell(topo, backend: Optional[str] = None, stdin: Optional[IO] = None,
               stdout: Optional[IO] = None, progress: Callable[[str], None] = lambda m: None,
               caps=None) -> int:
     """Build ``topo`` (backend override optional), run the shell, always tear down.
     Returns 0, or the status of the last command when it failed (for scripted use)."""
-    from .mininet_backend import fabric_class
+    from testbed.fabric.mininet_backend import fabric_class
     if backend and backend != topo.backend:
         topo = replace(topo, backend=backend)
     fab = fabric_class(topo)(topo, caps, progress=progress)
-    in_ = stdin or sys.stdin
     out = stdout or sys.stdout
-    try:
-        old_term = signal.signal(signal.SIGTERM, _raise_interrupt)
-    except ValueError:   # not the main thread
-        old_term = None
+    with sigterm_as_interrupt():
+        return _build_and_serve(fab, topo, stdin, out, progress)
+
+
+def _build_and_serve(fab, topo, stdin: Optional[IO], out: IO,
+                     progress: Callable[[str], None]) -> int:
+    in_ = stdin or sys.stdin
     try:
         fab.build()
         progress(f"fabric up in {fab.build_seconds * 1000:.0f} ms (run id {fab.state.run_id})")
@@ -291,5 +290,3 @@ def run_shell(topo, backend: Optional[str] = None, stdin: Optional[IO] = None,
     finally:
         t = fab.teardown()
         progress(f"fabric torn down in {t * 1000:.0f} ms")
-        if old_term is not None:
-            signal.signal(signal.SIGTERM, old_term)

@@ -7,7 +7,8 @@ import subprocess
 
 import pytest
 
-from testbed import netns, state
+from testbed.kernel import netns
+from testbed.fabric import state
 
 
 def _netns_unavailable() -> str | None:

@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from testbed import capabilities
-from testbed.capabilities import Capabilities, probe
+from testbed.kernel import capabilities
+from testbed.kernel.capabilities import Capabilities, probe
 
 pytestmark = pytest.mark.netns
 

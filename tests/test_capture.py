@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 
 from nezha import wire
-from testbed import spec
-from testbed.capture import Capture
-from testbed.dissect import Nezha, Reassembler, Segment, frame
+from testbed.model import spec
+from testbed.run.capture import Capture
+from testbed.pcap.dissect import Nezha, Reassembler, Segment, frame
 from testbed.fabric import Fabric
-from testbed.pcap_report import analyse, format_report
+from testbed.pcap.report import analyse, format_report
 
 REPO = Path(__file__).resolve().parent.parent
 

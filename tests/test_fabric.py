@@ -6,8 +6,9 @@ import time
 
 import pytest
 
-from testbed import probes, spec
-from testbed.capabilities import probe
+from testbed.run import probes
+from testbed.model import spec
+from testbed.kernel.capabilities import probe
 from testbed.fabric import Fabric
 
 pytestmark = pytest.mark.netns

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from testbed import spec
-from testbed.runner import run_topology
+from testbed.model import spec
+from testbed.run.runner import run_topology
 
 pytestmark = [pytest.mark.netns, pytest.mark.slow]
 
@@ -67,7 +67,7 @@ expect: {wrong_results: 0, iterations_lost: 0}
 """)
     out = run_topology(topo, tmp_path / "slow", say=lambda m: None)
     assert out.passed, out.verdict.failures
-    from testbed.measure import load_events
+    from testbed.analysis.sampler import load_events
     events = load_events(sorted((tmp_path / "slow" / "ranks").glob("*.events.jsonl")))
     downs = [e for e in events if e.get("event") in ("rail_down", "rail_suspected")]
     assert not downs, f"a healthy (slow) rail was declared dead: {downs[:3]}"

@@ -7,11 +7,11 @@ import time
 import pytest
 from pyroute2 import IPRoute
 
-from testbed import spec
+from testbed.model import spec
 from testbed.fabric import Fabric
-from testbed.faults import FaultInjector
-from testbed.scenario import build
-from testbed.spec import Shape
+from testbed.run.faults import FaultInjector
+from testbed.model.scenario import build
+from testbed.model.spec import Shape
 
 BASE = """
 name: faults

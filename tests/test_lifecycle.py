@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from testbed import netns, state
+from testbed.kernel import netns
+from testbed.fabric import state
 
 pytestmark = pytest.mark.netns
 ROOT = Path(__file__).resolve().parent.parent

@@ -25,8 +25,8 @@ from pathlib import Path
 import pytest
 
 from nezha import wire
-from testbed import spec
-from testbed.dissect import frame
+from testbed.model import spec
+from testbed.pcap.dissect import frame
 from testbed.fabric import Fabric
 
 pytestmark = pytest.mark.netns

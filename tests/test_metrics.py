@@ -11,8 +11,11 @@ import time
 import numpy as np
 import pytest
 
-from testbed import measure, metrics, spec, verdict
-from testbed.scenario import build as build_scenario
+from testbed.analysis import sampler as measure
+from testbed.analysis import metrics
+from testbed.model import spec
+from testbed.analysis import verdict
+from testbed.model.scenario import build as build_scenario
 
 RATE = 100e6  # bit/s each host receives on a rail while it is active
 
@@ -413,7 +416,7 @@ def test_sampler_on_a_real_fabric():
     from testbed.fabric import Fabric
     topo = spec.loads("name: meas\nhosts: 2\nrails:\n  - {name: r0, bandwidth: 50mbit}\n"
                       "  - {name: r1, bandwidth: 50mbit}\n")
-    from testbed import netns
+    from testbed.kernel import netns
     with Fabric(topo) as fab:
         ours = list(fab.state.namespaces)
         dst, src = topo.address("h2", "r0"), topo.address("h1", "r0")

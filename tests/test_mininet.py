@@ -8,9 +8,12 @@ import time
 
 import pytest
 
-from testbed import netns, probes, spec, state
+from testbed.kernel import netns
+from testbed.run import probes
+from testbed.model import spec
+from testbed.fabric import state
 from testbed.fabric import Fabric
-from testbed.mininet_backend import MininetFabric, fabric_class
+from testbed.fabric.mininet_backend import MininetFabric, fabric_class
 
 pytestmark = pytest.mark.netns
 

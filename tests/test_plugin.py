@@ -6,14 +6,14 @@ from pathlib import Path
 
 import pytest
 
-from testbed.capabilities import probe
+from testbed.kernel.capabilities import probe
 
 pytest_plugins = ["pytester"]
 ROOT = Path(__file__).resolve().parent.parent
 
 USER_TESTS = '''
 import pytest
-from testbed import probes
+from testbed.run import probes
 
 TOPO = """
 name: user

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from testbed.capabilities import probe
+from testbed.kernel.capabilities import probe
 
 pytest_plugins = ["pytester"]
 ROOT = Path(__file__).resolve().parent.parent

@@ -7,8 +7,12 @@ import json
 import pytest
 import yaml
 
-from testbed import measure, metrics, report, spec, verdict
-from testbed.scenario import Expectation, build as build_scenario
+from testbed.analysis import sampler as measure
+from testbed.analysis import metrics
+from testbed.analysis import report
+from testbed.model import spec
+from testbed.analysis import verdict
+from testbed.model.scenario import Expectation, build as build_scenario
 
 try:
     from tests.test_metrics import (TOPO, SCEN, failover_world, fault_record, iteration_records,

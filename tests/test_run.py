@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from testbed import spec
-from testbed.runner import run_topology
+from testbed.model import spec
+from testbed.run.runner import run_topology
 
 pytestmark = pytest.mark.netns
 ROOT = Path(__file__).resolve().parent.parent

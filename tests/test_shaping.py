@@ -10,11 +10,11 @@ import time
 
 import pytest
 
-from testbed import shaping
+from testbed.fabric import shaper as shaping
 from testbed.errors import CapabilityError, ShapingMismatch
-from testbed.shaping import (CLASS_HANDLE, HTB_HANDLE, DirectionShaper, decode_netem,
+from testbed.fabric.shaper import (CLASS_HANDLE, HTB_HANDLE, DirectionShaper, decode_netem,
                              decode_nft_rule, netem_kwargs, nft_rule, shapes_match)
-from testbed.spec import Shape
+from testbed.model.spec import Shape
 
 MBIT = 1_000_000
 A_IP, B_IP = "198.18.0.1", "198.18.0.2"
@@ -132,7 +132,7 @@ def pair():
 
 @pytest.fixture(scope="module")
 def caps():
-    from testbed.capabilities import probe
+    from testbed.kernel.capabilities import probe
     return probe()
 
 
@@ -458,7 +458,7 @@ class _RecordingIPRoute:
 
 def test_netem_code_paths_message_building(monkeypatch):
     """What apply/change send on a kernel WITH netem (cannot run here), kernel-free."""
-    from testbed.capabilities import Capabilities
+    from testbed.kernel.capabilities import Capabilities
     caps = Capabilities(netns=True, veth=True, htb=True, netem=True, nftables=True)
     fake = _RecordingIPRoute()
     s = DirectionShaper(fake, "nzt-x-a", "ta", fake, "nzt-x-b", "tb", caps, name="h1.r0:up",

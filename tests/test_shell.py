@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from testbed import probes, spec
+from testbed.run import probes
+from testbed.model import spec
 from testbed.fabric import Fabric
 from testbed.shell import FabricShell, run_shell
 

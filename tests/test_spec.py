@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from testbed import spec
-from testbed.capabilities import Capabilities
+from testbed.model import spec
+from testbed.kernel.capabilities import Capabilities
 from testbed.errors import CapabilityError, SpecError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -37,7 +37,7 @@ def test_good_file_resolves_addresses_and_overrides():
 
 
 def test_units():
-    from testbed.units import parse_duration, parse_percent, parse_rate, parse_size
+    from testbed.model.units import parse_duration, parse_percent, parse_rate, parse_size
     assert parse_rate("1.5gbit", "f") == 1_500_000_000
     assert parse_rate("500kbit", "f") == 500_000
     assert parse_duration("250us", "f") == pytest.approx(250e-6)
@@ -109,7 +109,7 @@ def test_bad_input_names_field_and_accepted_forms(text, field, accepted):
 
 
 def test_warmup_defaults_and_sized_ratio_names_are_normalised():
-    from testbed.scenario import build
+    from testbed.model.scenario import build
     t = spec.loads("hosts: 2\nrails: [{name: r0}]\nworkload: {kind: compare, sizes: [16MiB, 4KiB]}\n"
                    "expect: {busbw_vs_single_rail.16mib: {min: 1.8}}\n")
     sc = build(t)
@@ -121,8 +121,8 @@ def test_warmup_defaults_and_sized_ratio_names_are_normalised():
 
 
 def test_iterations_and_duration_together_mean_at_least_both():
-    from testbed.scenario import build
-    from testbed.workload import WorkloadRunner, phases
+    from testbed.model.scenario import build
+    from testbed.run.workload import WorkloadRunner, phases
     t = spec.loads("hosts: 2\nrails: [{name: r0}]\nworkload: {kind: compare, sizes: [4KiB, 16MiB], "
                    "systems: [nezha, single], iterations: 5, duration: 2s}\n")
     ph = phases(build(t).workload)

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from testbed import spec
-from testbed.runner import run_topology
+from testbed.model import spec
+from testbed.run.runner import run_topology
 
 pytestmark = [pytest.mark.netns, pytest.mark.slow]
 TOPOLOGIES = sorted((Path(__file__).resolve().parent.parent / "topologies").glob("*.yaml"))

@@ -8,7 +8,7 @@ import subprocess
 import sys
 import time
 
-from .fabric import Fabric
+from testbed.fabric import Fabric
 
 _UDP_RX = r"""
 import socket, sys, time

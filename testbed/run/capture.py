@@ -13,7 +13,7 @@ Why tcpdump, driven by a small recorder process, and not scapy's sniffer:
   ``nsenter --net``), so tcpdump opens the interface there from its first instruction; nothing
   has to follow a namespace change after import (scapy would not).
 * The size cap. tcpdump's ``-C``/``-W`` rotate and overwrite the oldest data, which loses the
-  start of the run. The recorder (``python -m testbed.capture``, this module) instead reads
+  start of the run. The recorder (``python -m testbed.run.capture``, this module) instead reads
   tcpdump's pcap stream and writes whole packet records until the cap, then drops the rest and
   says so (``truncated``); the file is always a valid pcap.
 * Full packets (snaplen 0): Nezha frames are cut from the TCP byte stream (testbed/dissect.py),
@@ -81,7 +81,7 @@ class Capture:
             for h in self.hosts:
                 for r in self.rails:
                     path = self.out_dir / f"{h}.{r}.pcap"
-                    argv = [sys.executable, "-m", "testbed.capture", "--iface", r,
+                    argv = [sys.executable, "-m", "testbed.run.capture", "--iface", r,
                             "--out", str(path), "--max-bytes", str(self.max_bytes)]
                     proc = self.fabric.hosts[h].popen(argv, stdout=subprocess.PIPE,
                                                       stderr=subprocess.PIPE, text=True,
@@ -219,7 +219,7 @@ def record(iface: str, out: str, max_bytes: int) -> dict:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m testbed.capture",
+    p = argparse.ArgumentParser(prog="python -m testbed.run.capture",
                                 description="record one interface of this namespace to pcap")
     p.add_argument("--iface", required=True)
     p.add_argument("--out", required=True)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import re
 from typing import Union
 
-from .errors import SpecError
+from testbed.errors import SpecError
 
 Number = Union[int, float]
 

@@ -19,8 +19,8 @@ from typing import Any, Iterable, Optional, Sequence
 
 import numpy as np
 
-from .measure import Rates, Samples, rail_name
-from .scenario import METRICS, SHARE_PREFIX, sized_metric
+from testbed.analysis.sampler import Rates, Samples, rail_name
+from testbed.model.scenario import METRICS, SHARE_PREFIX, sized_metric
 
 BIN_S = 0.02             # goodput bin
 STALL_FRACTION = 0.3     # a bin is a traffic gap below this fraction of the active level

@@ -9,7 +9,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Sequence
 
-from .scenario import SHARE_PREFIX, SIZED_PREFIX, Expectation
+from testbed.model.scenario import SHARE_PREFIX, SIZED_PREFIX, Expectation
 
 UNITS = {"failover_ms": "ms", "detection_ms": "ms", "recovery_ms": "ms", "busbw_mbps": "Mbit/s"}
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from .errors import SpecError
-from .units import format_size, parse_duration, parse_percent, parse_rate, parse_size
+from testbed.errors import SpecError
+from testbed.model.units import format_size, parse_duration, parse_percent, parse_rate, parse_size
 
 WORKLOAD_KINDS = ("allreduce", "sweep", "compare", "command", "none")
 SYSTEMS = ("nezha", "single", "stripe", "mptcp", "gloo")

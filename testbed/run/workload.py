@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
-from .fabric import Fabric
-from .scenario import Workload
+from testbed.fabric import Fabric
+from testbed.model.scenario import Workload
 
 BASE_PORT = 29500
 REPO_ROOT = Path(__file__).resolve().parent.parent

@@ -11,22 +11,20 @@ veth is created inside its host's namespace with its peer placed straight into t
 from __future__ import annotations
 
 import logging
-import os
-import signal
 import subprocess
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
-from typing import Callable, Iterator, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from pyroute2 import IPRoute
 
-from . import netns
-from .capabilities import Capabilities, probe
-from .errors import FabricError
-from .shaping import DirectionShaper
-from .spec import Shape, Topology, check_capabilities
-from .state import RunState
+from testbed.kernel import netns
+from testbed.kernel.capabilities import Capabilities, probe
+from testbed.errors import FabricError
+from testbed.fabric.shaper import DirectionShaper
+from testbed.model.spec import Shape, Topology, check_capabilities
+from testbed.fabric.guard import checkpoint, interrupts_at_checkpoints
+from testbed.fabric.state import RunState
 
 log = logging.getLogger(__name__)
 BRIDGE = "br0"   # the rail switch's bridge, inside the switch namespace
@@ -350,7 +348,7 @@ class Fabric:
     @classmethod
     def attach(cls, state: RunState, caps: Optional[Capabilities] = None) -> "Fabric":
         """Handles to a fabric that another process built and left up (`up`, then `status`)."""
-        from .spec import parse
+        from testbed.model.spec import parse
         fab = cls(parse(state.topology_doc, default_name=state.name), caps)
         fab.state = state
         for ns in state.namespaces:
@@ -401,54 +399,3 @@ class Fabric:
                 "hosts": {h.name: {"namespace": h.ns, "addresses": h.addresses}
                           for h in self.hosts.values()},
                 "links": [l.describe() for l in self.links.values()]}
-
-
-_pending_signal: list[int] = []
-
-
-def checkpoint() -> None:
-    """Raise KeyboardInterrupt here if Ctrl-C or SIGTERM arrived during a build."""
-    if _pending_signal:
-        signum = _pending_signal.pop()
-        _pending_signal.clear()
-        raise KeyboardInterrupt(f"signal {signum}")
-
-
-@contextmanager
-def _signal_handlers(signals: tuple, on_signal: Callable[[int], None]) -> Iterator[None]:
-    """Route ``signals`` to ``on_signal`` in this process for the block; a forked helper of
-    pyroute2's (it forks to enter namespaces) that inherits the handler just exits."""
-    owner = os.getpid()
-
-    def handler(signum, frame):
-        if os.getpid() != owner:
-            os._exit(128 + signum)
-        on_signal(signum)
-    try:
-        old = {sig: signal.signal(sig, handler) for sig in signals}
-    except ValueError:  # not the main thread: leave signals alone
-        yield
-        return
-    try:
-        yield
-    finally:
-        for sig, h in old.items():
-            signal.signal(sig, h)
-
-
-def interrupts_at_checkpoints():
-    """During a build, SIGINT and SIGTERM only set a flag that ``checkpoint()`` turns into
-    KeyboardInterrupt between kernel operations. Raising from the signal handler itself can
-    land in an at-fork hook (pyroute2 forks to enter namespaces; logging hooks every fork),
-    where Python prints "Exception ignored" and the build carries on, leaving a fabric that
-    nobody asked for."""
-    return _signal_handlers((signal.SIGINT, signal.SIGTERM), _pending_signal.append)
-
-
-def _raise_interrupt(signum: int) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")
-
-
-def sigterm_as_interrupt():
-    """During a run, SIGTERM unwinds like Ctrl-C so everything built is removed."""
-    return _signal_handlers((signal.SIGTERM,), _raise_interrupt)

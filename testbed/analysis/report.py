@@ -23,8 +23,8 @@ from typing import Any, Optional, Sequence
 import numpy as np
 import yaml
 
-from .scenario import METRICS, SHARE_PREFIX, SIZED_PREFIX
-from .verdict import Verdict, format_value
+from testbed.model.scenario import METRICS, SHARE_PREFIX, SIZED_PREFIX
+from testbed.analysis.verdict import Verdict, format_value
 
 
 def _jsonable(v: Any) -> Any:
@@ -156,7 +156,7 @@ def _fault_spans(ax, faults: Sequence[dict], t0: float, t_max: float) -> None:
 def plot_throughput(path: Path, topo, metrics: dict, samples, faults: Sequence[dict],
                     t0: float, phases=None) -> Path:
     import matplotlib.pyplot as plt
-    from .metrics import BIN_S
+    from testbed.analysis.metrics import BIN_S
     fig, ax = plt.subplots(figsize=(11, 4.8), dpi=110)
     t_max = 1.0
     if samples:

@@ -42,10 +42,11 @@ import logging
 import os
 import subprocess
 
-from . import netns
-from .errors import FabricError
-from .fabric import BRIDGE, Fabric, checkpoint
-from .spec import Topology
+from testbed.kernel import netns
+from testbed.errors import FabricError
+from testbed.fabric.fabric import BRIDGE, Fabric
+from testbed.fabric.guard import checkpoint
+from testbed.model.spec import Topology
 
 log = logging.getLogger(__name__)
 

@@ -52,11 +52,11 @@ from typing import Optional
 
 from pyroute2.netlink.rtnl.tcmsg import common as _tc_common
 
-from .capabilities import (NFT_TABLE, Capabilities, NftResult, del_root_qdisc, nft_run,
+from testbed.kernel.capabilities import (NFT_TABLE, Capabilities, NftResult, del_root_qdisc, nft_run,
                            nft_run_background, run_in_netns)
-from .errors import CapabilityError, FabricError, ShapingMismatch
-from .spec import Shape
-from .units import format_duration, format_rate, format_size
+from testbed.errors import CapabilityError, FabricError, ShapingMismatch
+from testbed.model.spec import Shape
+from testbed.model.units import format_duration, format_rate, format_size
 
 TC_H_ROOT = 0xFFFFFFFF
 HTB_HANDLE = 0x10000      # 1:

@@ -15,9 +15,9 @@ import time
 from dataclasses import replace
 from typing import Callable, Optional
 
-from .fabric import Fabric, Link
-from .scenario import Fault
-from .spec import Shape
+from testbed.fabric import Fabric, Link
+from testbed.model.scenario import Fault
+from testbed.model.spec import Shape
 
 log = logging.getLogger(__name__)
 RAIL_REMOVING = ("link-down", "blackhole", "flap")

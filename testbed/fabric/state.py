@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from . import netns
+from testbed.kernel import netns
 
 PREFIX = "nzt-"  # every namespace this project creates starts with it
 RUN_NS_RE = re.compile(re.escape(PREFIX) + r"([0-9a-f]{4})-")      # a run's namespaces

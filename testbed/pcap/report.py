@@ -6,7 +6,7 @@ one rail) and the split that crossed the wire (each rail's share of DATA payload
 
 Each packet is captured twice (leaving one host, entering another); a flow is counted once, from
 the capture of the host that owns its source address (``capture.json``, written by
-testbed/capture.py), so every byte is counted once, where it was sent.
+testbed/run/capture.py), so every byte is counted once, where it was sent.
 """
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ from typing import Optional
 
 from nezha import wire
 
-from .capture import MANIFEST
-from .dissect import frames_in, tcp_segments
+from testbed.run.capture import MANIFEST
+from testbed.pcap.dissect import frames_in, tcp_segments
 
 
 def find_captures(results: Path) -> tuple[Optional[dict], list[tuple[str, str, Path]]]:
@@ -140,7 +140,7 @@ def format_report(rep: dict) -> str:
 
 
 def main(results, as_json: bool = False, rails: Optional[str] = None) -> int:
-    from .errors import TestbedError
+    from testbed.errors import TestbedError
     try:
         rep = analyse(results, rails.split(",") if rails else None)
     except FileNotFoundError as e:

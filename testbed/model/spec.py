@@ -14,8 +14,8 @@ from typing import Any, Mapping, Optional
 
 import yaml
 
-from .errors import CapabilityError, SpecError
-from .units import format_duration, format_rate, parse_duration, parse_percent, parse_rate
+from testbed.errors import CapabilityError, SpecError
+from testbed.model.units import format_duration, format_rate, parse_duration, parse_percent, parse_rate
 
 DEFAULT_ADDRESSING = "198.18.0.0/15"
 DEFAULT_RAIL_PREFIX = 24
@@ -302,7 +302,7 @@ def parse(doc: Any, source: Optional[str] = None, default_name: str = "topology"
     topo = Topology(name=name, hosts=hosts, rails=tuple(rails), links=links, wiring=wiring,
                     addressing=block, backend=backend, description=description, tcp=tcp_parsed,
                     sections=sections, source=source, raw=doc)
-    from . import scenario  # validated together, so a bad fault never waits for the build
+    from testbed import scenario  # validated together, so a bad fault never waits for the build
     scenario.validate(topo)
     return topo
 
