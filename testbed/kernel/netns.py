@@ -1,25 +1,42 @@
-"""Named network namespaces: create, delete, list, and run processes inside them.
+"""Named network namespaces: create, delete, list, and enter them. The one place that knows
+where namespaces live (``NETNS_DIR``) and how to get inside one; there are exactly two ways:
 
-Processes enter a namespace through ``nsenter --net`` (util-linux, on every Debian/Ubuntu), so a
-child never inherits a half-switched Python interpreter: tools that cache the namespace at import
-time (scapy) see the host's view from their first instruction.
+* Child processes enter through ``nsenter --net`` (util-linux, on every Debian/Ubuntu)
+  (``command``, ``popen``, ``run``), so a child never inherits a half-switched Python
+  interpreter: tools that cache the namespace at import time (scapy) see the host's view from
+  their first instruction.
+* In-process work (``call_in``, ``submit_in``) runs on a dedicated worker thread of this module
+  that setns()es into the namespace for the one call and back again (about 1 ms for an nft
+  batch, against about 7 ms for forking ``nsenter nft``). setns() changes only the calling
+  thread, so the caller's threads never change namespace; a socket opened by ``fn`` keeps the
+  namespace it was created in after the worker has come back.
 """
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import subprocess
+import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Callable, Optional, Sequence, TypeVar
 
 from pyroute2 import netns as _netns
 
 NETNS_DIR = Path("/var/run/netns")
+CLONE_NEWNET = 0x40000000
+T = TypeVar("T")
+
+
+def path(name: str) -> Path:
+    """Where namespace ``name`` is mounted (the file nsenter and setns open)."""
+    return NETNS_DIR / name
 
 
 def exists(name: str) -> bool:
-    return (NETNS_DIR / name).exists()
+    return path(name).exists()
 
 
 def create(name: str) -> None:
@@ -39,7 +56,7 @@ def listing() -> list[str]:
 
 
 def inode(name: str) -> int:
-    return os.stat(NETNS_DIR / name).st_ino
+    return os.stat(path(name)).st_ino
 
 
 def pids_in(name: str) -> list[int]:
@@ -95,7 +112,7 @@ def _alive(pid: int) -> bool:
 
 def command(name: str, argv: Sequence[str]) -> list[str]:
     """The argv that runs ``argv`` inside namespace ``name``."""
-    return ["nsenter", f"--net={NETNS_DIR / name}", "--", *argv]
+    return ["nsenter", f"--net={path(name)}", "--", *argv]
 
 
 def popen(name: str, argv: Sequence[str], **kwargs) -> subprocess.Popen:
@@ -107,3 +124,82 @@ def run(name: str, argv: Sequence[str], check: bool = True, timeout: float | Non
     kwargs.setdefault("capture_output", True)
     kwargs.setdefault("text", True)
     return subprocess.run(command(name, argv), check=check, timeout=timeout, **kwargs)
+
+
+# ------------------------------------------------------------------ in-process: setns workers
+_libc: Any = None
+_lanes: dict[str, ThreadPoolExecutor] = {}
+_lanes_pid = os.getpid()
+_lanes_lock = threading.Lock()
+_worker = threading.local()   # .lane is set on our worker threads only
+
+
+def _setns(fd: int) -> None:
+    global _libc
+    if _libc is None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.setns.argtypes = [ctypes.c_int, ctypes.c_int]
+        _libc = libc
+    if _libc.setns(fd, CLONE_NEWNET) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"setns: {os.strerror(err)}")
+
+
+def _enter(ns: Optional[str], fn: Callable[..., T], *args: Any) -> T:
+    """Call ``fn(*args)`` with THIS thread inside namespace ``ns`` (None: where it is), then
+    come back. Only ever runs on a worker thread of this module."""
+    if ns is None:
+        return fn(*args)
+    own = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
+    try:
+        target = os.open(path(ns), os.O_RDONLY)
+        try:
+            _setns(target)
+        finally:
+            os.close(target)
+        try:
+            return fn(*args)
+        finally:
+            _setns(own)
+    finally:
+        os.close(own)
+
+
+def _mark_worker(lane: str) -> None:
+    _worker.lane = lane
+
+
+def _lane(name: str) -> ThreadPoolExecutor:
+    """The single worker thread of lane ``name`` (created on first use, again after a fork:
+    the parent's worker threads do not exist in the child)."""
+    global _lanes_pid
+    with _lanes_lock:
+        if _lanes_pid != os.getpid():
+            _lanes.clear()
+            _lanes_pid = os.getpid()
+        if name not in _lanes:
+            _lanes[name] = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name,
+                                              initializer=_mark_worker, initargs=(name,))
+        return _lanes[name]
+
+
+def submit_in(ns: Optional[str], fn: Callable[..., T], *args: Any,
+              lane: str = "netns") -> "Future[T]":
+    """Queue ``fn(*args)`` to run inside ``ns`` on the worker thread of ``lane`` (one thread per
+    lane, calls in order); work on another lane does not wait behind it. Called from a worker
+    thread itself, ``fn`` runs there at once (a worker never waits for a worker)."""
+    if getattr(_worker, "lane", None) is not None:
+        done: Future = Future()
+        try:
+            done.set_result(_enter(ns, fn, *args))
+        except BaseException as e:
+            done.set_exception(e)
+        return done
+    return _lane(lane).submit(_enter, ns, fn, *args)
+
+
+def call_in(ns: Optional[str], fn: Callable[..., T], *args: Any, timeout: float = 10.0,
+            lane: str = "netns") -> T:
+    """Run ``fn(*args)`` inside namespace ``ns`` (None: the root namespace) on a worker thread
+    and return its result (or raise its exception); sockets ``fn`` opens belong to ``ns``."""
+    return submit_in(ns, fn, *args, lane=lane).result(timeout)
