@@ -10,10 +10,11 @@ import time
 
 import pytest
 
-from testbed.fabric import shaper as shaping
 from testbed.errors import CapabilityError, ShapingMismatch
-from testbed.fabric.shaper import (CLASS_HANDLE, HTB_HANDLE, DirectionShaper, decode_netem,
-                             decode_nft_rule, netem_kwargs, nft_rule, shapes_match)
+from testbed.fabric.shaper import DirectionShaper, shapes_match
+from testbed.kernel import nftables, tc
+from testbed.kernel.nftables import decode_nft_rule, nft_rule
+from testbed.kernel.tc import CLASS_HANDLE, HTB_HANDLE, decode_netem, netem_kwargs
 from testbed.model.spec import Shape
 
 MBIT = 1_000_000
@@ -24,16 +25,16 @@ root_only = pytest.mark.skipif(os.geteuid() != 0, reason="needs root for network
 # ---- message building, no kernel needed -------------------------------------------------------
 def test_htb_parameters():
     # bucket: never below two 64 KiB GSO skbs; 4 ms at high rates
-    assert shaping.htb_burst(50 * MBIT) == 2 * (65536 + 1514)
-    assert shaping.htb_burst(1000 * MBIT) == 500_000
-    assert shaping.htb_quantum(500 * MBIT) == 62_500
-    assert shaping.htb_quantum(1 * MBIT) == 1514
-    assert shaping.htb_quantum(10_000 * MBIT) == 200_000
+    assert tc.htb_burst(50 * MBIT) == 2 * (65536 + 1514)
+    assert tc.htb_burst(1000 * MBIT) == 500_000
+    assert tc.htb_quantum(500 * MBIT) == 62_500
+    assert tc.htb_quantum(1 * MBIT) == 1514
+    assert tc.htb_quantum(10_000 * MBIT) == 200_000
     # 10 ms of the rate in full frames, at least 20 packets
-    assert shaping.fifo_limit(50 * MBIT) == 42
-    assert shaping.fifo_limit(1000 * MBIT) == 826
-    assert shaping.fifo_limit(10 * MBIT) == 20
-    kw = shaping.htb_class_kwargs(200 * MBIT + 3)
+    assert tc.fifo_limit(50 * MBIT) == 42
+    assert tc.fifo_limit(1000 * MBIT) == 826
+    assert tc.fifo_limit(10 * MBIT) == 20
+    kw = tc.htb_class_kwargs(200 * MBIT + 3)
     assert kw["rate"] == kw["ceil"] == 25_000_000 and kw["burst"] == kw["cburst"]
 
 
@@ -44,7 +45,7 @@ def test_netem_message_round_trip():
     kw = netem_kwargs(shape)
     assert kw["delay"] == 10_000 and kw["jitter"] == 2_000 and kw["loss"] == pytest.approx(5.0)
     # limit covers the fifo plus twice rate x (delay + 4 jitter) in MTU frames
-    assert kw["limit"] >= shaping.fifo_limit(100 * MBIT) + 2 * (100 * MBIT / 8 * 0.018 / 1514)
+    assert kw["limit"] >= tc.fifo_limit(100 * MBIT) + 2 * (100 * MBIT / 8 * 0.018 / 1514)
     msg = tcmsg()
     msg["index"], msg["handle"], msg["parent"] = 1, 0x100000, CLASS_HANDLE
     msg["attrs"] = [["TCA_KIND", "netem"], ["TCA_OPTIONS", sched_netem.get_parameters(kw)]]
@@ -72,18 +73,18 @@ def test_nft_rule_text_and_decode():
     assert decode_nft_rule(expr) == 0.05
     assert decode_nft_rule(expr[:2]) is None      # no drop: not ours
     with pytest.raises(ValueError):
-        shaping.loss_threshold(1.5)
+        nftables.loss_threshold(1.5)
     accept = [{"accept": None}]
-    assert shaping.nft_generation(0.05) == [nft_rule(0.05), "accept"]
-    assert shaping.nft_generation(0) == ["accept"]
-    assert shaping.nft_generation(1.0) == ["counter drop"]
+    assert nftables.nft_generation(0.05) == [nft_rule(0.05), "accept"]
+    assert nftables.nft_generation(0) == ["accept"]
+    assert nftables.nft_generation(1.0) == ["counter drop"]
     # head generation decides; rules behind it are dead
-    assert shaping.decode_nft_chain([expr, accept, accept]) == (0.05, 2)
-    assert shaping.decode_nft_chain([accept, expr, accept]) == (0.0, 1)
-    assert shaping.decode_nft_chain([[{"counter": {}}, {"drop": None}], expr]) == (1.0, 1)
-    assert shaping.decode_nft_chain([]) == (0.0, 0)
+    assert nftables.decode_nft_chain([expr, accept, accept]) == (0.05, 2)
+    assert nftables.decode_nft_chain([accept, expr, accept]) == (0.0, 1)
+    assert nftables.decode_nft_chain([[{"counter": {}}, {"drop": None}], expr]) == (1.0, 1)
+    assert nftables.decode_nft_chain([]) == (0.0, 0)
     with pytest.raises(ValueError):
-        shaping.decode_nft_chain([expr, expr])        # a second drop would compound the loss
+        nftables.decode_nft_chain([expr, expr])        # a second drop would compound the loss
 
 
 def test_shapes_match_tolerances():
@@ -343,8 +344,8 @@ def test_unshaped_leaves_no_qdisc_and_clear(pair, shaper, caps):
 def test_readback_mismatch_is_refused(pair, shaper, monkeypatch):
     shaper.apply(Shape(rate_bps=100 * MBIT))
     # the kernel "silently" keeps another rate: simulate by lying about what we send
-    real = shaping.htb_class_kwargs
-    monkeypatch.setattr(shaping, "htb_class_kwargs",
+    real = tc.htb_class_kwargs
+    monkeypatch.setattr(tc, "htb_class_kwargs",
                         lambda rate, mtu=1500: real(rate // 2, mtu))
     with pytest.raises(ShapingMismatch) as exc:
         shaper.change(Shape(rate_bps=80 * MBIT))
@@ -465,32 +466,32 @@ def test_netem_code_paths_message_building(monkeypatch):
                         per_packet_loss=False)
     monkeypatch.setattr(s, "_verify", lambda shape: setattr(s, "shape", shape))
     monkeypatch.setattr(s, "_remove_tree", lambda: fake.calls.append(("remove-tree",)))
-    monkeypatch.setattr(shaping, "nft_run", lambda *a, **k: pytest.fail("nft used with netem"))
+    monkeypatch.setattr(nftables, "nft_run", lambda *a, **k: pytest.fail("nft used with netem"))
 
     s.apply(Shape(rate_bps=100 * MBIT, loss=0.01, delay_s=0.010))
     assert [c[:4] for c in fake.calls[1:]] == [
         ("add", "htb", HTB_HANDLE, None), ("add-class", "htb", CLASS_HANDLE, HTB_HANDLE),
-        ("add", "netem", shaping.LEAF_HANDLE, CLASS_HANDLE)]
+        ("add", "netem", tc.LEAF_HANDLE, CLASS_HANDLE)]
     netem = fake.calls[-1][4]
     assert netem["delay"] == 10_000 and netem["loss"] == pytest.approx(1.0)
-    assert netem["limit"] >= shaping.MIN_QUEUE_PKTS
+    assert netem["limit"] >= tc.MIN_QUEUE_PKTS
 
     fake.calls.clear()
     s.change(Shape(rate_bps=50 * MBIT, delay_s=0.020, jitter_s=0.002))   # all in place
     assert [c[:4] for c in fake.calls] == [
         ("change-class", "htb", CLASS_HANDLE, HTB_HANDLE),
-        ("change", "netem", shaping.LEAF_HANDLE, CLASS_HANDLE)]
+        ("change", "netem", tc.LEAF_HANDLE, CLASS_HANDLE)]
     assert fake.calls[1][4]["jitter"] == 2_000 and fake.calls[1][4]["loss"] == 0
 
     fake.calls.clear()
     s.change(Shape(rate_bps=50 * MBIT))                   # netem leaf -> pfifo leaf
-    assert [c[:3] for c in fake.calls] == [("del", "netem", shaping.LEAF_HANDLE),
-                                           ("add", "pfifo", shaping.LEAF_HANDLE)]
+    assert [c[:3] for c in fake.calls] == [("del", "netem", tc.LEAF_HANDLE),
+                                           ("add", "pfifo", tc.LEAF_HANDLE)]
 
     fake.calls.clear()
     s.change(Shape(loss=1.0))                             # black hole, netem alone at the root
     assert fake.calls[0] == ("remove-tree",)
-    assert fake.calls[1][:4] == ("add", "netem", shaping.LEAF_HANDLE, shaping.TC_H_ROOT)
+    assert fake.calls[1][:4] == ("add", "netem", tc.LEAF_HANDLE, tc.TC_H_ROOT)
     assert fake.calls[1][4]["loss"] == 100.0
 
     with pytest.raises(CapabilityError):

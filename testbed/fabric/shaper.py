@@ -10,224 +10,39 @@ Tree on the egress interface (everything through pyroute2 netlink)::
 Loss without netem: an nftables table ``nezha_testbed`` (family netdev) in the INGRESS namespace,
 one chain per device (``loss_<ifB>``, hook ingress on ifB, priority -500) whose head is
 ``numgen random mod 1000000 < N counter drop`` followed by ``accept`` (100 %: ``counter drop``;
-0 %: no rule). Dropping at the peer's ingress is losing on this direction's wire. nft runs
-in-process through libnftables on a worker thread that enters the namespace for the call
-(testbed.capabilities.nft_run; falls back to ``nsenter --net=/run/netns/NS nft``). A runtime
-loss change inserts the new head rules (acked in ~1 ms) and deletes the dead ones afterwards in
-the background: nftables acknowledges any deletion - a ``replace`` too - only after an RCU grace
-period, 8-40 ms on this machine.
+0 %: no rule). Dropping at the peer's ingress is losing on this direction's wire (the rules and
+how nft is run: testbed.kernel.nftables). A runtime loss change inserts the new head rules (acked
+in ~1 ms) and deletes the dead ones afterwards in the background: nftables acknowledges any
+deletion - a ``replace`` too - only after an RCU grace period, 8-40 ms on this machine.
 
-While loss > 0, TSO/GSO are turned off on the egress interface (legacy ethtool ioctls, inside
-the namespace) so each MTU packet is lost independently; otherwise TCP's 64 KiB GSO skbs are
-dropped whole (1 % loss at 200 Mbit/s: 14 drop events in 3 s instead of ~470). They are turned
-back on when the loss is 0: with GSO, htb is more accurate and cheaper.
+While loss > 0, TSO/GSO are turned off on the egress interface (testbed.kernel.ethtool) so each
+MTU packet is lost independently; otherwise TCP's 64 KiB GSO skbs are dropped whole (1 % loss at
+200 Mbit/s: 14 drop events in 3 s instead of ~470). They are turned back on when the loss is 0:
+with GSO, htb is more accurate and cheaper.
 
 Every apply/change is read back from the kernel and compared with what was asked; a difference
 raises ShapingMismatch, so the testbed never claims a shaping the kernel did not apply.
 
-Choices (measured on veth with GSO/TSO on, iperf3 TCP, see tests/test_shaping.py):
-  * htb burst = cburst = max(4 ms at the rate, 2 x (64 KiB GSO skb + MTU + 14)). veth passes
-    64 KiB GSO skbs; a bucket smaller than two of them loses credit whenever the queue drains for
-    a moment and the measured rate falls 3-8 % short at 500 Mbit/s. GSO stays on: turning it off
-    made htb *less* accurate (and costs CPU).
-  * quantum = 1 ms worth of bytes at the rate, clamped to [MTU + 14, 200000] (one class only,
-    so it merely avoids htb's "quantum is big" warning).
-  * leaf pfifo, limit = max(20, 10 ms at the rate in MTU-sized packets): drop-tail, no AQM,
-    so the only losses are the ones asked for (fq_codel measured the same rate but drops by
-    itself under a standing queue).
-  * htb rates count L2 bytes (Ethernet header included), like a real link: TCP goodput at MTU
-    1500 is at most 1448/1514 = 95.6 % of the set rate.
+The qdisc parameters (htb burst and quantum, fifo and netem limits) and why: testbed.kernel.tc.
 """
 from __future__ import annotations
 
-import ctypes
-import fcntl
 import json
-import math
 import re
-import socket
-import struct
 import time
 from typing import Optional
 
-from pyroute2.netlink.rtnl.tcmsg import common as _tc_common
-
-from testbed.kernel.capabilities import (NFT_TABLE, Capabilities, NftResult, del_root_qdisc, nft_run,
-                           nft_run_background, run_in_netns)
 from testbed.errors import CapabilityError, FabricError, ShapingMismatch
+from testbed.kernel import ethtool, nftables, tc
+from testbed.kernel.capabilities import Capabilities
+from testbed.kernel.nftables import NFT_TABLE, NftResult
+from testbed.kernel.tc import CLASS_HANDLE, HTB_HANDLE, LEAF_HANDLE, TC_H_ROOT
 from testbed.model.spec import Shape
 from testbed.model.units import format_duration, format_rate, format_size
-
-TC_H_ROOT = 0xFFFFFFFF
-HTB_HANDLE = 0x10000      # 1:
-CLASS_HANDLE = 0x10010    # 1:10
-LEAF_HANDLE = 0x100000    # 10:
-
-ETH_HLEN = 14
-GSO_MAX_SIZE = 65536
-BURST_TIME_S = 0.004
-QUANTUM_TIME_S = 0.001
-QUEUE_TIME_S = 0.010
-MIN_QUEUE_PKTS = 20
-UNSHAPED_RATE_BPS = 10_000_000_000   # what veth pushes unshaped; sizes netem's queue then
-NFT_MOD = 1_000_000
-U32_MAX = 0xFFFFFFFF
 
 RATE_TOLERANCE_BPS = 8    # htb stores bytes/s: a rate is kept to the byte
 LOSS_TOLERANCE = 1e-6
 TIME_TOLERANCE_S = 1e-6
-
-
-def _handle(h: int) -> str:
-    return f"{h >> 16:x}:{h & 0xFFFF:x}" if h & 0xFFFF else f"{h >> 16:x}:"
-
-
-# ---- offloads (legacy ethtool ioctls; run inside the namespace by run_in_netns) ------------
-SIOCETHTOOL = 0x8946
-ETHTOOL_GTSO, ETHTOOL_STSO = 0x1E, 0x1F
-ETHTOOL_GGSO, ETHTOOL_SGSO = 0x23, 0x24
-
-
-def _ethtool_value(ifname: str, cmd: int, data: int = 0) -> int:
-    value = (ctypes.c_uint32 * 2)(cmd, data)           # struct ethtool_value
-    ifreq = bytearray(struct.pack("16sP", ifname.encode(), ctypes.addressof(value)).ljust(40,
-                                                                                        b"\0"))
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        fcntl.ioctl(s.fileno(), SIOCETHTOOL, ifreq)
-    return value[1]
-
-
-def get_offloads(ifname: str) -> dict:
-    """{"tso": bool, "gso": bool} of an interface in the current thread's namespace."""
-    return {"tso": bool(_ethtool_value(ifname, ETHTOOL_GTSO)),
-            "gso": bool(_ethtool_value(ifname, ETHTOOL_GGSO))}
-
-
-def set_offloads(ifname: str, tso: bool, gso: bool) -> dict:
-    _ethtool_value(ifname, ETHTOOL_STSO, int(tso))
-    _ethtool_value(ifname, ETHTOOL_SGSO, int(gso))
-    return get_offloads(ifname)
-
-
-# ---- parameter choices (pure, unit-tested) --------------------------------------------------
-def htb_burst(rate_bps: int, mtu: int = 1500) -> int:
-    """Bytes of htb bucket: 4 ms at the rate, but never less than two full GSO skbs."""
-    return max(math.ceil(rate_bps / 8 * BURST_TIME_S), 2 * (GSO_MAX_SIZE + mtu + ETH_HLEN))
-
-
-def htb_quantum(rate_bps: int, mtu: int = 1500) -> int:
-    return int(min(max(rate_bps / 8 * QUANTUM_TIME_S, mtu + ETH_HLEN), 200_000))
-
-
-def fifo_limit(rate_bps: Optional[int], mtu: int = 1500) -> int:
-    """pfifo limit in packets: 10 ms of the rate in MTU-sized frames, at least 20. A shallow
-    buffer, like a datacenter switch port: a deep one inflates the RTT under load (and with it
-    TCP's retransmission timeout), which is what bounds how fast a black hole can be told
-    from an ordinary loss."""
-    rate = rate_bps or UNSHAPED_RATE_BPS
-    return max(MIN_QUEUE_PKTS, math.ceil(rate / 8 * QUEUE_TIME_S / (mtu + ETH_HLEN)))
-
-
-def netem_limit(shape: Shape, mtu: int = 1500) -> int:
-    """netem's queue also holds htb's backlog: the fifo's limit plus twice what the rate puts
-    in flight during delay + 4 x jitter, so netem never drops on its own."""
-    rate = shape.rate_bps or UNSHAPED_RATE_BPS
-    in_flight = rate / 8 * (shape.delay_s + 4 * shape.jitter_s) / (mtu + ETH_HLEN)
-    return min(U32_MAX, max(MIN_QUEUE_PKTS, fifo_limit(shape.rate_bps, mtu)
-                            + math.ceil(2 * in_flight)))
-
-
-def htb_class_kwargs(rate_bps: int, mtu: int = 1500) -> dict:
-    """pyroute2 keyword arguments for class 1:10 (rates in bytes/s as pyroute2 takes ints)."""
-    rate = max(1, rate_bps // 8)
-    burst = htb_burst(rate_bps, mtu)
-    return {"parent": HTB_HANDLE, "rate": rate, "ceil": rate, "burst": burst, "cburst": burst,
-            "quantum": htb_quantum(rate_bps, mtu), "mtu": mtu + ETH_HLEN}
-
-
-def netem_kwargs(shape: Shape, mtu: int = 1500) -> dict:
-    """pyroute2 keyword arguments for netem: delay/jitter in microseconds, loss in percent."""
-    return {"delay": int(round(shape.delay_s * 1e6)), "jitter": int(round(shape.jitter_s * 1e6)),
-            "loss": shape.loss * 100.0, "limit": netem_limit(shape, mtu)}
-
-
-def decode_netem(opts) -> tuple[float, float, float]:
-    """(loss, delay_s, jitter_s) from a dumped netem TCA_OPTIONS (times in psched ticks)."""
-    tick_us = _tc_common.tick_in_usec
-    delay_s = opts["delay"] / tick_us / 1e6
-    jitter_s = opts["jitter"] / tick_us / 1e6
-    loss = opts["loss"] / U32_MAX
-    return loss, delay_s, jitter_s
-
-
-def loss_threshold(loss: float) -> int:
-    """N of ``numgen random mod 1000000 < N``: 1000000 drops every packet."""
-    if not 0.0 <= loss <= 1.0:
-        raise ValueError(f"loss {loss!r} is not a fraction in 0..1")
-    return int(round(loss * NFT_MOD))
-
-
-def nft_rule(loss: float) -> str:
-    """The drop rule for a loss fraction; 100 % (a black hole) is an unconditional drop, as
-    nft refuses ``< 1000000`` for a ``mod 1000000`` value."""
-    n = loss_threshold(loss)
-    if n >= NFT_MOD:
-        return "counter drop"
-    return f"numgen random mod {NFT_MOD} < {n} counter drop"
-
-
-def nft_generation(loss: float) -> list[str]:
-    """The rules, head first, that give every packet its verdict for ``loss``: a numgen drop
-    followed by an unconditional accept (so rules behind them are never reached)."""
-    n = loss_threshold(loss)
-    if n == 0:
-        return ["accept"]
-    if n >= NFT_MOD:
-        return ["counter drop"]
-    return [nft_rule(loss), "accept"]
-
-
-def _is_accept(expr: list) -> bool:
-    return bool(expr) and all(isinstance(e, dict) and ("accept" in e or "counter" in e)
-                              for e in expr) and any("accept" in e for e in expr)
-
-
-def decode_nft_chain(exprs: list[list]) -> tuple[float, int]:
-    """(loss, number of head rules in force) of our chain's rules (nft JSON ``expr`` lists,
-    in chain order). Raises ValueError for anything that is not a generation of ours."""
-    if not exprs:
-        return 0.0, 0
-    if _is_accept(exprs[0]):
-        return 0.0, 1
-    loss = decode_nft_rule(exprs[0])
-    if loss is None:
-        raise ValueError(f"head rule is not a loss rule of ours: {exprs[0]}")
-    if loss >= 1.0:
-        return 1.0, 1
-    if len(exprs) < 2 or not _is_accept(exprs[1]):
-        raise ValueError("numgen drop rule not followed by an accept: later rules would "
-                         "drop again")
-    return loss, 2
-
-
-def decode_nft_rule(expr: list) -> Optional[float]:
-    """The loss of a ``numgen random mod M < N ... drop`` rule in nft JSON, None if not ours."""
-    if not any(isinstance(e, dict) and "drop" in e for e in expr):
-        return None
-    if all(isinstance(e, dict) and ("drop" in e or "counter" in e) for e in expr):
-        return 1.0      # unconditional drop: a black hole
-    for e in expr:
-        m = e.get("match") if isinstance(e, dict) else None
-        if not m or not isinstance(m.get("left"), dict) or "numgen" not in m["left"]:
-            continue
-        ng = m["left"]["numgen"]
-        if ng.get("mode") != "random" or ng.get("offset", 0) != 0:
-            return None
-        mod, right, op = int(ng["mod"]), m.get("right"), m.get("op")
-        if op == "<" and isinstance(right, int):
-            return min(right, mod) / mod
-        return None
-    return None
 
 
 def shapes_match(asked: Shape, got: Shape) -> bool:
@@ -308,20 +123,20 @@ class DirectionShaper:
             if root == "htb":
                 if shape.rate_bps != old.rate_bps:
                     self._tc("change-class", "htb", idx, CLASS_HANDLE,
-                             **htb_class_kwargs(shape.rate_bps, self.mtu))
+                             **tc.htb_class_kwargs(shape.rate_bps, self.mtu))
                 if leaf == "netem":
                     self._tc("change", "netem", idx, LEAF_HANDLE, parent=CLASS_HANDLE,
-                             **netem_kwargs(shape, self.mtu))
+                             **tc.netem_kwargs(shape, self.mtu))
                 # the fifo keeps its limit: shrinking it under a standing queue drops every new
                 # packet (ACKs included) until the old backlog drains - 100+ ms of silence
                 # that looks like a black hole; a rate fault changes the rate, nothing else
             elif root == "netem":
                 self._tc("change", "netem", idx, LEAF_HANDLE, parent=TC_H_ROOT,
-                         **netem_kwargs(shape, self.mtu))
+                         **tc.netem_kwargs(shape, self.mtu))
         elif old_root == root == "htb":      # only the leaf kind changes (pfifo <-> netem)
             if shape.rate_bps != old.rate_bps:
                 self._tc("change-class", "htb", idx, CLASS_HANDLE,
-                         **htb_class_kwargs(shape.rate_bps, self.mtu))
+                         **tc.htb_class_kwargs(shape.rate_bps, self.mtu))
             self._tc("del", old_leaf, idx, LEAF_HANDLE, parent=CLASS_HANDLE)
             self._add_leaf(idx, shape, leaf)
         else:                                # htb <-> netem root <-> nothing: rebuild
@@ -364,7 +179,8 @@ class DirectionShaper:
         """Remove our qdiscs (egress) and our nft chain (ingress) for this direction."""
         self._remove_tree()
         if self.caps.nftables:
-            nft_run(self.ingress_ns, ["delete", "chain", "netdev", NFT_TABLE, self.chain])
+            nftables.nft_run(self.ingress_ns,
+                             ["delete", "chain", "netdev", NFT_TABLE, self.chain])
         self._nft_handles, self._nft_stale = None, []
         self._set_offloads(0.0)
         self.shape = None
@@ -397,7 +213,7 @@ class DirectionShaper:
         they were (on, veth's default, if this handle never saw them) when the loss is gone."""
         if not self.per_packet_loss:
             return
-        current = run_in_netns(self.egress_ns, get_offloads, self.egress_if)
+        current = ethtool.offloads_in(self.egress_ns, self.egress_if)
         if loss > 0:
             want = {"tso": False, "gso": False}
             if self._saved_offloads is None and current != want:
@@ -407,8 +223,8 @@ class DirectionShaper:
             self._saved_offloads = None
         if current != want:
             try:
-                got = run_in_netns(self.egress_ns, set_offloads, self.egress_if,
-                                   want["tso"], want["gso"])
+                got = ethtool.set_offloads_in(self.egress_ns, self.egress_if,
+                                              want["tso"], want["gso"])
             except OSError as e:
                 raise FabricError(f"{self.name}: setting TSO/GSO on {self.egress_ns}/"
                                   f"{self.egress_if} failed: {e}") from e
@@ -417,7 +233,7 @@ class DirectionShaper:
                                       f"{self.egress_if}, the kernel has {got}")
 
     def offloads(self) -> dict:
-        return run_in_netns(self.egress_ns, get_offloads, self.egress_if)
+        return ethtool.offloads_in(self.egress_ns, self.egress_if)
 
     def _kernel_plan(self) -> tuple[Optional[str], Optional[str]]:
         """(root, leaf) kinds of our qdiscs as they are in the kernel now."""
@@ -449,16 +265,16 @@ class DirectionShaper:
         try:
             self.egress.tc(command, kind, index=idx, handle=handle, **kw)
         except Exception as e:
-            raise FabricError(f"{self.name}: tc {command} {kind} {_handle(handle)} on "
+            raise FabricError(f"{self.name}: tc {command} {kind} {tc.handle_text(handle)} on "
                               f"{self.egress_ns}/{self.egress_if} failed: {e}") from e
 
     def _add_leaf(self, idx: int, shape: Shape, leaf: str) -> None:
         if leaf == "netem":
             self._tc("add", "netem", idx, LEAF_HANDLE, parent=CLASS_HANDLE,
-                     **netem_kwargs(shape, self.mtu))
+                     **tc.netem_kwargs(shape, self.mtu))
         else:
             self._tc("add", "pfifo", idx, LEAF_HANDLE, parent=CLASS_HANDLE,
-                     limit=fifo_limit(shape.rate_bps, self.mtu))
+                     limit=tc.fifo_limit(shape.rate_bps, self.mtu))
 
     def _build_tree(self, shape: Shape) -> None:
         root, leaf = self._plan(shape)
@@ -468,11 +284,11 @@ class DirectionShaper:
         if root == "htb":
             self._tc("add", "htb", idx, HTB_HANDLE, default=CLASS_HANDLE & 0xFFFF)
             self._tc("add-class", "htb", idx, CLASS_HANDLE,
-                     **htb_class_kwargs(shape.rate_bps, self.mtu))
+                     **tc.htb_class_kwargs(shape.rate_bps, self.mtu))
             self._add_leaf(idx, shape, leaf)
         else:
             self._tc("add", "netem", idx, LEAF_HANDLE, parent=TC_H_ROOT,
-                     **netem_kwargs(shape, self.mtu))
+                     **tc.netem_kwargs(shape, self.mtu))
 
     def _remove_tree(self) -> None:
         idx = self._ifindex()
@@ -480,11 +296,11 @@ class DirectionShaper:
             if q["index"] == idx and q["parent"] == TC_H_ROOT and (
                     (q.get_attr("TCA_KIND"), q["handle"]) in
                     (("htb", HTB_HANDLE), ("netem", LEAF_HANDLE))):
-                del_root_qdisc(self.egress, idx)
+                tc.del_root_qdisc(self.egress, idx)
 
     # ---- nftables loss ---------------------------------------------------------------------
-    def _nft(self, args: list[str], stdin: Optional[str] = None) -> "NftResult":
-        run = nft_run(self.ingress_ns, args, stdin=stdin)
+    def _nft(self, args: list[str], stdin: Optional[str] = None) -> NftResult:
+        run = nftables.nft_run(self.ingress_ns, args, stdin=stdin)
         if run.returncode != 0:
             raise FabricError(f"{self.name}: nft {' '.join(args)} in {self.ingress_ns} failed: "
                               f"{run.stderr.strip()}")
@@ -499,17 +315,14 @@ class DirectionShaper:
         if not self._nft_loss():
             return
         base = f"netdev {NFT_TABLE} {self.chain}"
-        rules = nft_generation(loss)
+        rules = nftables.nft_generation(loss)
         if fresh or self._nft_handles is None:
             if fresh and not self._nft_chain_absent:   # leftovers of an earlier run: clear them
-                nft_run(self.ingress_ns, ["delete", "chain", *base.split()])
+                nftables.nft_run(self.ingress_ns, ["delete", "chain", *base.split()])
             if loss <= 0:
                 return
             self._nft_chain_absent = False
-            script = (f"add table netdev {NFT_TABLE}\n"
-                      f"add chain {base} {{ type filter hook ingress device "
-                      f"\"{self.ingress_if}\" priority -500; policy accept; }}\n"
-                      + "".join(f"add rule {base} {r}\n" for r in rules))
+            script = nftables.ingress_chain_script(self.chain, self.ingress_if, rules)
         else:
             script = "".join(f"insert rule {base} {r}\n" for r in reversed(rules))
         self._nft(["-f", "-"], stdin=script)
@@ -518,13 +331,14 @@ class DirectionShaper:
         if self._nft_stale:
             base = f"netdev {NFT_TABLE} {self.chain}"
             script = "".join(f"delete rule {base} handle {h}\n" for h in self._nft_stale)
-            nft_run_background(self.ingress_ns, ["-f", "-"], stdin=script)
+            nftables.nft_run_background(self.ingress_ns, ["-f", "-"], stdin=script)
             self._nft_stale = []
 
     def _read_nft(self) -> tuple[float, Optional[str], Optional[int]]:
         """(loss, rule text, drop counter) from our chain's head rules; loss 0 if absent.
         Also notes the chain's rule handles and which are dead (after the head)."""
-        run = nft_run(self.ingress_ns, ["-j", "list", "chain", "netdev", NFT_TABLE, self.chain])
+        run = nftables.nft_run(self.ingress_ns,
+                               ["-j", "list", "chain", "netdev", NFT_TABLE, self.chain])
         if run.returncode != 0:
             self._nft_handles, self._nft_stale = None, []
             return 0.0, None, None
@@ -535,78 +349,79 @@ class DirectionShaper:
             self._nft_stale = []
             return 0.0, None, None
         try:
-            loss, head = decode_nft_chain([r.get("expr", []) for r in rules])
+            loss, head = nftables.decode_nft_chain([r.get("expr", []) for r in rules])
         except ValueError as e:
             raise ShapingMismatch(f"{self.name}: nft chain {self.chain} in {self.ingress_ns}: "
                                   f"{e}") from None
         self._nft_stale = handles if loss == 0 else handles[head:]
         if loss == 0:
             return 0.0, None, None
-        drops = next((e["counter"].get("packets") for e in rules[0]["expr"]
-                      if isinstance(e, dict) and isinstance(e.get("counter"), dict)), None)
-        text = f"{NFT_TABLE} {self.chain} handle {handles[0]}: {nft_rule(loss)}"
-        return loss, text, drops
+        text = f"{NFT_TABLE} {self.chain} handle {handles[0]}: {nftables.nft_rule(loss)}"
+        return loss, text, nftables.rule_packets(rules[0]["expr"])
 
     # ---- read-back -------------------------------------------------------------------------
     def _read(self) -> tuple[Shape, dict]:
+        """The shape the kernel has for this direction (qdiscs on the egress interface, our nft
+        chain at the ingress), and what was found, as text, for ``describe``."""
         idx = self._ifindex()
         info: dict = {"qdiscs": []}
-        rate = None
-        loss = delay = jitter = 0.0
         qdiscs = [q for q in self.egress.get_qdiscs(index=idx) if q["index"] == idx]
         root = next((q for q in qdiscs if q["parent"] == TC_H_ROOT), None)
         kind = root.get_attr("TCA_KIND") if root is not None else None
-        netem_q = None
+        rate, netem_q = None, None
         if kind == "htb" and root["handle"] == HTB_HANDLE:
-            info["qdiscs"].append("htb 1: root default 1:10")
-            cls = next((c for c in self.egress.get_classes(index=idx)
-                        if c["index"] == idx and c["handle"] == CLASS_HANDLE), None)
-            if cls is None:
-                raise ShapingMismatch(f"{self.name}: htb 1: without class 1:10")
-            opts = cls.get_attr("TCA_OPTIONS")
-            parms = opts.get_attr("TCA_HTB_PARMS")
-            rate_Bps = opts.get_attr("TCA_HTB_RATE64") or parms["rate"]
-            ceil_Bps = opts.get_attr("TCA_HTB_CEIL64") or parms["ceil"]
-            rate = rate_Bps * 8
-            burst = int(round(parms["buffer"] / _tc_common.tick_in_usec / 1e6 * rate_Bps))
-            info["qdiscs"].append(
-                f"class htb 1:10 rate {format_rate(rate)} ceil {format_rate(ceil_Bps * 8)} "
-                f"burst {format_size(burst)} quantum {parms['quantum']}")
-            if ceil_Bps != rate_Bps:
-                raise ShapingMismatch(f"{self.name}: class 1:10 rate {rate} != ceil "
-                                      f"{ceil_Bps * 8}")
-            stats = cls.get_attr("TCA_STATS2")
-            basic = stats.get_attr("TCA_STATS_BASIC") if stats is not None else None
-            if basic:
-                info["class_stats"] = {"bytes": basic["bytes"], "packets": basic["packets"]}
-            leaf = next((q for q in qdiscs if q["parent"] == CLASS_HANDLE), None)
-            if leaf is not None:
-                lk = leaf.get_attr("TCA_KIND")
-                if lk == "netem":
-                    netem_q = leaf
-                else:
-                    lopts = leaf.get_attr("TCA_OPTIONS")
-                    limit = lopts.get("limit") if lopts is not None else None
-                    info["qdiscs"].append(f"{lk} {_handle(leaf['handle'])} parent 1:10"
-                                          + (f" limit {limit}" if limit is not None else ""))
+            rate, netem_q = self._read_htb(idx, qdiscs, info)
         elif kind == "netem":
             netem_q = root
         elif root is not None and kind not in ("noqueue", "pfifo_fast", "fq_codel", "mq"):
-            info["qdiscs"].append(f"{kind} {_handle(root['handle'])} root (not ours)")
+            info["qdiscs"].append(f"{kind} {tc.handle_text(root['handle'])} root (not ours)")
+        loss = delay = jitter = 0.0
         if netem_q is not None:
-            nopts = netem_q.get_attr("TCA_OPTIONS")
-            loss, delay, jitter = decode_netem(nopts)
-            where = "root" if netem_q["parent"] == TC_H_ROOT else "parent 1:10"
-            info["qdiscs"].append(
-                f"netem {_handle(netem_q['handle'])} {where} limit {nopts['limit']} "
-                f"delay {format_duration(delay)} jitter {format_duration(jitter)} "
-                f"loss {loss * 100:g}%")
+            loss, delay, jitter = self._read_netem(netem_q, info)
         if self._nft_loss() and not self._nft_chain_absent:
             nloss, text, drops = self._read_nft()
             if nloss:
                 loss = nloss
             info["nft_rule"], info["nft_drops"] = text, drops
         return Shape(rate_bps=rate, loss=loss, delay_s=delay, jitter_s=jitter), info
+
+    def _read_htb(self, idx: int, qdiscs: list, info: dict) -> tuple[int, Optional[object]]:
+        """(rate in bit/s, the netem leaf or None) of our htb tree; notes it in ``info``."""
+        info["qdiscs"].append("htb 1: root default 1:10")
+        cls = next((c for c in self.egress.get_classes(index=idx)
+                    if c["index"] == idx and c["handle"] == CLASS_HANDLE), None)
+        if cls is None:
+            raise ShapingMismatch(f"{self.name}: htb 1: without class 1:10")
+        htb = tc.decode_htb_class(cls)
+        rate = htb["rate_bps"]
+        info["qdiscs"].append(
+            f"class htb 1:10 rate {format_rate(rate)} ceil {format_rate(htb['ceil_bps'])} "
+            f"burst {format_size(htb['burst'])} quantum {htb['quantum']}")
+        if htb["ceil_bps"] != rate:
+            raise ShapingMismatch(f"{self.name}: class 1:10 rate {rate} != ceil "
+                                  f"{htb['ceil_bps']}")
+        if htb["stats"]:
+            info["class_stats"] = htb["stats"]
+        leaf = next((q for q in qdiscs if q["parent"] == CLASS_HANDLE), None)
+        if leaf is None or leaf.get_attr("TCA_KIND") == "netem":
+            return rate, leaf
+        lopts = leaf.get_attr("TCA_OPTIONS")
+        limit = lopts.get("limit") if lopts is not None else None
+        info["qdiscs"].append(f"{leaf.get_attr('TCA_KIND')} {tc.handle_text(leaf['handle'])} "
+                              "parent 1:10" + (f" limit {limit}" if limit is not None else ""))
+        return rate, None
+
+    @staticmethod
+    def _read_netem(netem_q, info: dict) -> tuple[float, float, float]:
+        """(loss, delay_s, jitter_s) of our netem qdisc (root or leaf); notes it in ``info``."""
+        nopts = netem_q.get_attr("TCA_OPTIONS")
+        loss, delay, jitter = tc.decode_netem(nopts)
+        where = "root" if netem_q["parent"] == TC_H_ROOT else "parent 1:10"
+        info["qdiscs"].append(
+            f"netem {tc.handle_text(netem_q['handle'])} {where} limit {nopts['limit']} "
+            f"delay {format_duration(delay)} jitter {format_duration(jitter)} "
+            f"loss {loss * 100:g}%")
+        return loss, delay, jitter
 
     def _verify(self, asked: Shape) -> None:
         got = self.read_back()

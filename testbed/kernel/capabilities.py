@@ -7,19 +7,17 @@ cached per process; ``probe(refresh=True)`` probes again.
 """
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import os
 import shutil
 import socket
-import subprocess
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, fields
 from typing import Optional
 
+from testbed.kernel import netns, tc
+from testbed.kernel.nftables import NFT_TABLE, nft_run
+
 IPPROTO_MPTCP = getattr(socket, "IPPROTO_MPTCP", 262)
-NFT_TABLE = "nezha_testbed"
 FEATURES = ("netns", "veth", "bridge", "htb", "tbf", "netem", "nftables", "mptcp",
             "iperf3", "mnexec")
 
@@ -93,148 +91,6 @@ def _err(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}"
 
 
-class NftResult:
-    """The outcome of one nft invocation (same fields as subprocess.CompletedProcess)."""
-
-    def __init__(self, returncode: int, stdout: str, stderr: str) -> None:
-        self.returncode, self.stdout, self.stderr = returncode, stdout, stderr
-
-
-CLONE_NEWNET = 0x40000000
-_NFT_CTX_OUTPUT_HANDLE = 1 << 3
-_NFT_CTX_OUTPUT_JSON = 1 << 4
-_libc = None
-_libnft = None
-_nft_pools: dict[str, ThreadPoolExecutor] = {}
-_pools_pid = os.getpid()
-_nft_lock = threading.Lock()
-
-
-def _load_libnftables():
-    """libnftables through ctypes, or None (then the nft binary is run instead)."""
-    global _libnft
-    if _libnft is None:
-        try:
-            lib = ctypes.CDLL(ctypes.util.find_library("nftables") or "libnftables.so.1",
-                              use_errno=True)
-            lib.nft_ctx_new.restype = ctypes.c_void_p
-            lib.nft_ctx_new.argtypes = [ctypes.c_uint32]
-            lib.nft_ctx_free.argtypes = [ctypes.c_void_p]
-            lib.nft_ctx_buffer_output.argtypes = [ctypes.c_void_p]
-            lib.nft_ctx_buffer_error.argtypes = [ctypes.c_void_p]
-            lib.nft_ctx_get_output_buffer.restype = ctypes.c_char_p
-            lib.nft_ctx_get_output_buffer.argtypes = [ctypes.c_void_p]
-            lib.nft_ctx_get_error_buffer.restype = ctypes.c_char_p
-            lib.nft_ctx_get_error_buffer.argtypes = [ctypes.c_void_p]
-            lib.nft_ctx_output_set_flags.argtypes = [ctypes.c_void_p, ctypes.c_uint]
-            lib.nft_run_cmd_from_buffer.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
-            _libnft = lib
-        except (OSError, AttributeError):
-            _libnft = False
-    return _libnft or None
-
-
-def _setns(fd: int) -> None:
-    global _libc
-    if _libc is None:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.setns.argtypes = [ctypes.c_int, ctypes.c_int]
-        _libc = libc
-    if _libc.setns(fd, CLONE_NEWNET) != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"setns: {os.strerror(err)}")
-
-
-def _in_netns(ns: Optional[str], fn, *args):
-    """Call ``fn(*args)`` with THIS thread inside named namespace ``ns``, then come back.
-    Only ever called on our worker threads: the caller's threads never change namespace."""
-    if ns is None:
-        return fn(*args)
-    own = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
-    try:
-        target = os.open(f"/run/netns/{ns}", os.O_RDONLY)
-        try:
-            _setns(target)
-        finally:
-            os.close(target)
-        try:
-            return fn(*args)
-        finally:
-            _setns(own)
-    finally:
-        os.close(own)
-
-
-def run_in_netns(ns: Optional[str], fn, *args, timeout: float = 10.0):
-    """Run ``fn(*args)`` on the namespace worker thread, inside ``ns``; sockets ``fn`` opens
-    belong to ``ns``. Returns fn's result (or raises its exception)."""
-    return _pool("nft-netns").submit(_in_netns, ns, fn, *args).result(timeout)
-
-
-def _nft_text(text: str, json_out: bool) -> NftResult:
-    lib = _libnft
-    ctx = lib.nft_ctx_new(0)
-    if not ctx:
-        return NftResult(1, "", "nft_ctx_new failed")
-    try:
-        lib.nft_ctx_buffer_output(ctx)
-        lib.nft_ctx_buffer_error(ctx)
-        lib.nft_ctx_output_set_flags(ctx, _NFT_CTX_OUTPUT_HANDLE | (
-            _NFT_CTX_OUTPUT_JSON if json_out else 0))
-        rc = lib.nft_run_cmd_from_buffer(ctx, text.encode())
-        out = (lib.nft_ctx_get_output_buffer(ctx) or b"").decode()
-        err = (lib.nft_ctx_get_error_buffer(ctx) or b"").decode()
-        return NftResult(0 if rc == 0 else 1, out, err)
-    finally:
-        lib.nft_ctx_free(ctx)
-
-
-def _nft_call(ns: Optional[str], args: list[str], stdin: Optional[str],
-              timeout: float) -> NftResult:
-    """Runs on a worker thread (never the caller's): libnftables or the nft binary."""
-    args = list(args)
-    json_out = "-j" in args
-    plain = [a for a in args if a != "-j"]
-    if ns is not None and not os.path.exists(f"/run/netns/{ns}"):
-        return NftResult(1, "", f"no namespace {ns}")
-    if _load_libnftables() is not None and (plain[:2] == ["-f", "-"] or
-                                            not any(a.startswith("-") for a in plain)):
-        text = stdin if plain[:2] == ["-f", "-"] else " ".join(plain)
-        return _in_netns(ns, _nft_text, text or "", json_out)
-    cmd = ["nft", *args]
-    if ns is not None:
-        cmd = ["nsenter", f"--net=/run/netns/{ns}", *cmd]
-    run = subprocess.run(cmd, input=stdin, capture_output=True, text=True, timeout=timeout)
-    return NftResult(run.returncode, run.stdout, run.stderr)
-
-
-def _pool(name: str) -> ThreadPoolExecutor:
-    global _pools_pid
-    with _nft_lock:
-        if _pools_pid != os.getpid():    # forked: the parent's worker threads are not here
-            _nft_pools.clear()
-            _pools_pid = os.getpid()
-        if name not in _nft_pools:
-            _nft_pools[name] = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
-        return _nft_pools[name]
-
-
-def nft_run(ns: Optional[str], args: list[str], stdin: Optional[str] = None,
-            timeout: float = 10.0) -> NftResult:
-    """Run ``nft ARGS`` (``-f -`` reads ``stdin``; ``-j`` for JSON output) inside the named
-    namespace ``ns``. In-process through libnftables, on a worker thread that enters the
-    namespace only for the call (about 1 ms), so the caller's thread never changes namespace;
-    without libnftables, ``nsenter --net=/run/netns/NS nft ...`` (about 7 ms)."""
-    return _pool("nft-netns").submit(_nft_call, ns, args, stdin, timeout).result(timeout + 5)
-
-
-def nft_run_background(ns: Optional[str], args: list[str], stdin: Optional[str] = None,
-                       timeout: float = 10.0) -> Future:
-    """Like nft_run, but queued on a separate thread and not waited for (for deletions, which
-    the kernel acknowledges only after an RCU grace period, 8-40 ms here)."""
-    return _pool("nft-netns-bg").submit(_nft_call, ns, args, stdin, timeout)
-
-
 def _probe_binaries(res: dict, details: dict) -> None:
     for name in ("iperf3", "mnexec"):
         path = shutil.which(name)
@@ -266,29 +122,18 @@ def _probe_mptcp(res: dict, details: dict) -> None:
 
 
 def _try_qdisc(ipr, idx: int, kind: str, **kw) -> Optional[str]:
-    """Add ``kind`` as root qdisc of ``idx`` and remove it; None if it worked, else the error."""
-    try:
-        ipr.tc("add", kind, index=idx, handle=0x10000, **kw)
-    except Exception as e:  # NetlinkError: ENOENT "Specified qdisc kind is unknown", ...
-        error = _err(e)
-        if getattr(e, "code", None) == 2:
-            error += ": the qdisc kind is unknown to this kernel"
-        return error
-    del_root_qdisc(ipr, idx)
-    return None
-
-
-def del_root_qdisc(ipr, idx: int) -> bool:
-    """Delete whatever root qdisc ``idx`` has; False if there was none to delete."""
-    try:
-        ipr.tc("del", index=idx, parent=0xFFFFFFFF)
-        return True
-    except Exception:
-        return False
+    """None if ``kind`` works as a root qdisc of ``idx``, else why not."""
+    e = tc.try_qdisc(ipr, idx, kind, **kw)
+    if e is None:
+        return None
+    error = _err(e)
+    if getattr(e, "code", None) == 2:    # NetlinkError ENOENT "Specified qdisc kind is unknown"
+        error += ": the qdisc kind is unknown to this kernel"
+    return error
 
 
 def _probe_kernel(ns: str, res: dict, details: dict) -> None:
-    from pyroute2 import IPRoute, netns
+    from pyroute2 import IPRoute
 
     try:
         netns.create(ns)
@@ -378,9 +223,8 @@ def _probe() -> Capabilities:
                 res[k] = False
                 details[k] = f"probe failed: {_err(e)}"
     finally:
-        if os.path.exists(f"/run/netns/{ns}"):
+        if netns.exists(ns):
             try:
-                from pyroute2 import netns
                 netns.remove(ns)
             except Exception:
                 pass

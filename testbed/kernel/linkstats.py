@@ -19,7 +19,7 @@ from testbed.kernel import netns
 _NLMSG_HDR = struct.Struct("=IHHII")          # len, type, flags, seq, pid
 _IFINFO = struct.Struct("=BxHiII")           # family, type, index, flags, change
 _RTA = struct.Struct("=HH")
-_STATS64_HEAD = struct.Struct("=8Q")          # rx_pk, tx_pk, rx_b, tx_b, rx_err, tx_err, rx_drop, tx_drop
+_STATS64_HEAD = struct.Struct("=8Q")  # rx_pk, tx_pk, rx_b, tx_b, rx_err, tx_err, rx_drop, tx_drop
 _RTM_NEWLINK, _RTM_GETLINK = 16, 18
 _NLMSG_ERROR, _NLMSG_DONE = 2, 3
 _NLM_F_REQUEST, _NLM_F_DUMP = 0x1, 0x300
