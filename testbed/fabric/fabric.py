@@ -178,8 +178,7 @@ class Fabric:
 
     # ---------------------------------------------------------------- lifecycle
     def __enter__(self) -> "Fabric":
-        self.build()
-        return self
+        return self.build()
 
     def __exit__(self, *exc) -> None:
         self.teardown()

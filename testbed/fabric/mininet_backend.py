@@ -30,17 +30,14 @@ Why shaping is ours and not TCLink's
 Links are plain ``Link``, never ``TCLink``. TCLink configures tc through ``tc`` commands and
 parses nothing back: on a kernel without ``sch_netem`` (like ours) it silently drops the
 loss/delay settings and still reports the link as shaped, so a measurement would be judged
-against a shape that was never applied. Our ``DirectionShaper`` (testbed/shaping.py) applies
+against a shape that was never applied. Our ``DirectionShaper`` (testbed/fabric/shaper.py) applies
 rate with htb/tbf, loss with netem or nftables, reads every setting back from the kernel and
 refuses what it cannot honour. Both backends therefore shape identically and honestly, and a
 result never depends on which backend built the fabric.
 """
 from __future__ import annotations
 
-import ctypes
 import logging
-import os
-import subprocess
 
 from testbed.kernel import netns
 from testbed.errors import FabricError
@@ -49,28 +46,6 @@ from testbed.fabric.guard import checkpoint
 from testbed.model.spec import Topology
 
 log = logging.getLogger(__name__)
-
-_MS_BIND = 4096
-_MNT_DETACH = 2
-
-
-def _bind_netns(pid: int, name: str) -> None:
-    """Name the network namespace of ``pid``: bind-mount it onto /var/run/netns/NAME."""
-    target = netns.NETNS_DIR / name
-    netns.NETNS_DIR.mkdir(parents=True, exist_ok=True)
-    r = subprocess.run(["ip", "netns", "attach", name, str(pid)], capture_output=True, text=True)
-    if r.returncode == 0 and target.exists():
-        return
-    # older iproute2 without `attach`: do the bind mount ourselves
-    target.touch(exist_ok=True)
-    libc = ctypes.CDLL(None, use_errno=True)
-    src = f"/proc/{pid}/ns/net".encode()
-    if libc.mount(src, str(target).encode(), None, _MS_BIND, None) != 0:
-        err = ctypes.get_errno()
-        target.unlink(missing_ok=True)
-        raise FabricError(f"cannot name the namespace of pid {pid} {name}: "
-                          f"{r.stderr.strip() or os.strerror(err)}")
-
 
 def _mininet():
     try:
@@ -136,7 +111,7 @@ class MininetFabric(Fabric):
         """Record (write-ahead), then name the node's namespace, then open netlink inside it."""
         ns = self.state.ns_name(suffix)
         self.state.record_namespace(ns)
-        _bind_netns(node.pid, ns)
+        netns.attach(ns, node.pid)
         ipr = self._open(ns)
         ipr.link("set", index=ipr.link_lookup(ifname="lo")[0], state="up")
         return ns

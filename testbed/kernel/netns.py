@@ -25,8 +25,11 @@ from typing import Any, Callable, Optional, Sequence, TypeVar
 
 from pyroute2 import netns as _netns
 
+from testbed.errors import FabricError
+
 NETNS_DIR = Path("/var/run/netns")
 CLONE_NEWNET = 0x40000000
+_MS_BIND = 4096
 T = TypeVar("T")
 
 
@@ -41,6 +44,25 @@ def exists(name: str) -> bool:
 
 def create(name: str) -> None:
     _netns.create(name)
+
+
+def attach(name: str, pid: int) -> None:
+    """Name the network namespace of ``pid`` (e.g. a Mininet node's shell): bind-mount
+    ``/proc/PID/ns/net`` onto NETNS_DIR/NAME, what ``ip netns attach`` does."""
+    target = path(name)
+    NETNS_DIR.mkdir(parents=True, exist_ok=True)
+    r = subprocess.run(["ip", "netns", "attach", name, str(pid)], capture_output=True, text=True)
+    if r.returncode == 0 and target.exists():
+        return
+    # older iproute2 without `attach`: do the bind mount ourselves
+    target.touch(exist_ok=True)
+    libc = ctypes.CDLL(None, use_errno=True)
+    src = f"/proc/{pid}/ns/net".encode()
+    if libc.mount(src, str(target).encode(), None, _MS_BIND, None) != 0:
+        err = ctypes.get_errno()
+        target.unlink(missing_ok=True)
+        raise FabricError(f"cannot name the namespace of pid {pid} {name}: "
+                          f"{r.stderr.strip() or os.strerror(err)}")
 
 
 def remove(name: str) -> None:

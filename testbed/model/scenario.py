@@ -147,15 +147,9 @@ def _target_kind(topo, target: Any, field_: str) -> str:
                     "a link HOST.RAIL (e.g. h2.r1), a rail (e.g. r1) or a host (e.g. h2)")
 
 
-def parse_workload(raw: Any, topo) -> Optional[Workload]:
-    if raw is None:
-        return None
-    f = "workload"
-    raw = _mapping(raw, f, "a mapping such as {kind: allreduce, size: 16MiB, duration: 10s}")
-    _keys(raw, ("kind", "size", "sizes", "duration", "iterations", "warmup", "rounds", "system",
-                "systems", "dtype", "op", "hosts", "command", "timeout"), f)
-    kind = _choice(raw.get("kind", "allreduce"), WORKLOAD_KINDS, f"{f}.kind")
-    kw: dict[str, Any] = {"kind": kind}
+def _workload_amounts(raw: dict, kind: str, f: str) -> dict[str, Any]:
+    """How much the workload does: size(s), duration, iterations, warmup, rounds."""
+    kw: dict[str, Any] = {}
     if "size" in raw:
         kw["size"] = parse_size(raw["size"], f"{f}.size")
     if "sizes" in raw:
@@ -178,6 +172,12 @@ def parse_workload(raw: Any, topo) -> Optional[Workload]:
             raise SpecError(f"{f}.rounds", f"only used with kind: compare (kind is {kind})",
                             "kind: compare, or no rounds key")
         kw["rounds"] = _int(raw["rounds"], f"{f}.rounds")
+    return kw
+
+
+def _workload_setup(raw: dict, topo, f: str) -> dict[str, Any]:
+    """What runs where: system(s), dtype, op, hosts, timeout."""
+    kw: dict[str, Any] = {}
     if "system" in raw:
         kw["system"] = _choice(raw["system"], SYSTEMS, f"{f}.system")
     if "systems" in raw:
@@ -197,18 +197,38 @@ def parse_workload(raw: Any, topo) -> Optional[Workload]:
         kw["hosts"] = tuple(hosts)
     if "timeout" in raw:
         kw["timeout"] = parse_duration(raw["timeout"], f"{f}.timeout", allow_zero=False)
-    if kind == "command":
-        cmd = raw.get("command")
-        if isinstance(cmd, str) and cmd.strip():
-            kw["command"] = ("sh", "-c", cmd)
-        elif isinstance(cmd, list) and cmd and all(isinstance(c, str) for c in cmd):
-            kw["command"] = tuple(cmd)
-        else:
-            raise SpecError(f"{f}.command", f"{cmd!r} given",
-                            "a shell command string or a list of arguments")
-    elif "command" in raw:
-        raise SpecError(f"{f}.command", f"only used with kind: command (kind is {kind})",
-                        "kind: command, or no command key")
+    return kw
+
+
+def _workload_command(raw: dict, kind: str, f: str) -> Optional[tuple[str, ...]]:
+    """The argv of a ``kind: command`` workload (a string runs through sh -c)."""
+    cmd = raw.get("command")
+    if kind != "command":
+        if "command" in raw:
+            raise SpecError(f"{f}.command", f"only used with kind: command (kind is {kind})",
+                            "kind: command, or no command key")
+        return None
+    if isinstance(cmd, str) and cmd.strip():
+        return ("sh", "-c", cmd)
+    if isinstance(cmd, list) and cmd and all(isinstance(c, str) for c in cmd):
+        return tuple(cmd)
+    raise SpecError(f"{f}.command", f"{cmd!r} given",
+                    "a shell command string or a list of arguments")
+
+
+def parse_workload(raw: Any, topo) -> Optional[Workload]:
+    if raw is None:
+        return None
+    f = "workload"
+    raw = _mapping(raw, f, "a mapping such as {kind: allreduce, size: 16MiB, duration: 10s}")
+    _keys(raw, ("kind", "size", "sizes", "duration", "iterations", "warmup", "rounds", "system",
+                "systems", "dtype", "op", "hosts", "command", "timeout"), f)
+    kind = _choice(raw.get("kind", "allreduce"), WORKLOAD_KINDS, f"{f}.kind")
+    kw: dict[str, Any] = {"kind": kind, **_workload_amounts(raw, kind, f),
+                          **_workload_setup(raw, topo, f)}
+    command = _workload_command(raw, kind, f)
+    if command is not None:
+        kw["command"] = command
     if kind == "compare" and "systems" not in kw:
         kw["systems"] = ("nezha", "single", "stripe", "mptcp")
     if kind in ("allreduce", "command") and "duration" not in kw and "iterations" not in kw:

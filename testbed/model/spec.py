@@ -15,7 +15,8 @@ from typing import Any, Mapping, Optional
 import yaml
 
 from testbed.errors import CapabilityError, SpecError
-from testbed.model.units import format_duration, format_rate, parse_duration, parse_percent, parse_rate
+from testbed.model.units import (format_duration, format_rate, parse_duration, parse_percent,
+                                 parse_rate)
 
 DEFAULT_ADDRESSING = "198.18.0.0/15"
 DEFAULT_RAIL_PREFIX = 24
@@ -24,7 +25,7 @@ _TOPO_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 BACKENDS = ("pyroute2", "mininet")
 WIRINGS = ("switch", "direct")
 
-# Keys of each section; the scenario sections are validated by testbed.scenario.
+# Keys of each section; the scenario sections are validated by testbed.model.scenario.
 TOP_KEYS = ("name", "description", "hosts", "rails", "links", "wiring", "addressing",
             "rail_prefix", "backend", "tcp", "workload", "faults", "expect", "capture")
 SHAPE_KEYS = ("bandwidth", "loss", "delay", "jitter")
@@ -60,7 +61,9 @@ class Shape:
 
 
 @dataclass(frozen=True)
-class Rail:
+class RailSpec:
+    """One rail as the file describes it: its subnet, and the shape every link on it gets."""
+
     name: str
     index: int
     subnet: ipaddress.IPv4Network
@@ -69,8 +72,9 @@ class Rail:
 
 
 @dataclass(frozen=True)
-class Link:
-    """One host's attachment to one rail: the unit that shaping and faults act on."""
+class LinkSpec:
+    """One host's attachment to one rail: the unit that shaping and faults act on (the live
+    handle is testbed.fabric.Link)."""
 
     host: str
     rail: str
@@ -87,8 +91,8 @@ class Link:
 class Topology:
     name: str
     hosts: tuple[str, ...]
-    rails: tuple[Rail, ...]
-    links: Mapping[tuple[str, str], Link]
+    rails: tuple[RailSpec, ...]
+    links: Mapping[tuple[str, str], LinkSpec]
     wiring: str = "switch"
     addressing: ipaddress.IPv4Network = ipaddress.IPv4Network(DEFAULT_ADDRESSING)
     backend: str = "pyroute2"
@@ -98,13 +102,13 @@ class Topology:
     source: Optional[str] = None
     raw: Mapping[str, Any] = field(default_factory=dict)       # the document as written
 
-    def rail(self, name: str) -> Rail:
+    def rail(self, name: str) -> RailSpec:
         for r in self.rails:
             if r.name == name:
                 return r
         raise KeyError(name)
 
-    def link(self, host: str, rail: str) -> Link:
+    def link(self, host: str, rail: str) -> LinkSpec:
         return self.links[(host, rail)]
 
     def address(self, host: str, rail: str) -> str:
@@ -186,31 +190,39 @@ def _parse_hosts(raw: Any) -> tuple[str, ...]:
     raise SpecError("hosts", f"{raw!r} given", "a host count (e.g. 4) or a list of host names")
 
 
-def parse(doc: Any, source: Optional[str] = None, default_name: str = "topology") -> Topology:
-    """Validate a loaded YAML document into a Topology (no kernel capabilities checked here)."""
+def _parse_document(doc: Any) -> dict:
     if doc is None:
         raise SpecError("(file)", "the topology file is empty", "a mapping with hosts and rails")
     doc = _require_mapping(doc, "(file)", "a mapping with keys such as hosts, rails, links")
     _check_keys(doc, TOP_KEYS, "")
+    return doc
 
-    name = doc.get("name", default_name)
+
+def _parse_topology_name(name: Any) -> str:
     if not isinstance(name, str) or not _TOPO_NAME_RE.fullmatch(name):
         raise SpecError("name", f"{name!r} is not a valid topology name",
                         "up to 64 letters, digits, '.', '_' or '-'")
-    if "hosts" not in doc:
-        raise SpecError("hosts", "missing", "a host count (e.g. 4) or a list of host names")
-    hosts = _parse_hosts(doc["hosts"])
+    return name
 
-    wiring = doc.get("wiring", "switch")
+
+def _parse_wiring(wiring: Any, hosts: tuple[str, ...]) -> str:
     if wiring not in WIRINGS:
         raise SpecError("wiring", f"{wiring!r} is not a wiring", f"one of: {', '.join(WIRINGS)}")
     if wiring == "direct" and len(hosts) != 2:
         raise SpecError("wiring", f"direct wiring with {len(hosts)} hosts",
                         "exactly 2 hosts for direct wiring, or wiring: switch")
-    backend = doc.get("backend", "pyroute2")
-    if backend not in BACKENDS:
-        raise SpecError("backend", f"{backend!r} is not a backend", f"one of: {', '.join(BACKENDS)}")
+    return wiring
 
+
+def _parse_backend(backend: Any) -> str:
+    if backend not in BACKENDS:
+        raise SpecError("backend", f"{backend!r} is not a backend",
+                        f"one of: {', '.join(BACKENDS)}")
+    return backend
+
+
+def _parse_addressing(doc: dict) -> tuple[ipaddress.IPv4Network, int]:
+    """(the addressing block, each rail's prefix length)."""
     addr_raw = doc.get("addressing", DEFAULT_ADDRESSING)
     try:
         block = ipaddress.IPv4Network(str(addr_raw), strict=True)
@@ -222,24 +234,32 @@ def parse(doc: Any, source: Optional[str] = None, default_name: str = "topology"
             or not block.prefixlen <= rail_prefix <= 30:
         raise SpecError("rail_prefix", f"{rail_prefix!r} is not usable",
                         f"an integer from {block.prefixlen} to 30 (each rail's subnet length)")
+    return block, rail_prefix
 
-    rails_raw = doc.get("rails")
-    if not isinstance(rails_raw, list) or not rails_raw:
-        raise SpecError("rails", f"{rails_raw!r} given",
-                        "a non-empty list of rails, e.g. [{name: r0, bandwidth: 200mbit}]")
-    subnets = block.subnets(new_prefix=rail_prefix)
+
+def _check_room(n_rails: int, n_hosts: int, block: ipaddress.IPv4Network,
+                rail_prefix: int) -> None:
+    """The block holds a subnet per rail, and each subnet an address per host."""
     n_subnets = 2 ** (rail_prefix - block.prefixlen)
-    if len(rails_raw) > n_subnets:
-        raise SpecError("rails", f"{len(rails_raw)} rails but {block} holds only {n_subnets} "
+    if n_rails > n_subnets:
+        raise SpecError("rails", f"{n_rails} rails but {block} holds only {n_subnets} "
                         f"/{rail_prefix} subnets", "fewer rails, a larger addressing block, "
                         "or a longer rail_prefix")
     host_capacity = 2 ** (32 - rail_prefix) - 2
-    if len(hosts) > host_capacity:
-        raise SpecError("hosts", f"{len(hosts)} hosts but a /{rail_prefix} rail subnet holds "
+    if n_hosts > host_capacity:
+        raise SpecError("hosts", f"{n_hosts} hosts but a /{rail_prefix} rail subnet holds "
                         f"only {host_capacity}", "fewer hosts, or a shorter rail_prefix "
                         "(e.g. rail_prefix: 20 with addressing: 198.18.0.0/15)")
 
-    rails: list[Rail] = []
+
+def _parse_rails(rails_raw: Any, hosts: tuple[str, ...], block: ipaddress.IPv4Network,
+                 rail_prefix: int) -> tuple[RailSpec, ...]:
+    if not isinstance(rails_raw, list) or not rails_raw:
+        raise SpecError("rails", f"{rails_raw!r} given",
+                        "a non-empty list of rails, e.g. [{name: r0, bandwidth: 200mbit}]")
+    _check_room(len(rails_raw), len(hosts), block, rail_prefix)
+    subnets = block.subnets(new_prefix=rail_prefix)
+    rails: list[RailSpec] = []
     for i, raw in enumerate(rails_raw):
         f = f"rails[{i}]"
         raw = _require_mapping(raw, f, "a mapping such as {name: r0, bandwidth: 200mbit}")
@@ -251,18 +271,29 @@ def parse(doc: Any, source: Optional[str] = None, default_name: str = "topology"
             raise SpecError(f"{f}.name", f"{rname!r} is also a host name",
                             "rail names distinct from host names")
         mtu = _parse_mtu(raw.get("mtu", 1500), f"{f}.mtu")
-        rails.append(Rail(rname, i, next(subnets), _parse_shape(raw, f, Shape()), mtu))
+        rails.append(RailSpec(rname, i, next(subnets), _parse_shape(raw, f, Shape()), mtu))
+    return tuple(rails)
 
-    links: dict[tuple[str, str], Link] = {}
+
+def _rail_links(hosts: tuple[str, ...],
+                rails: tuple[RailSpec, ...]) -> dict[tuple[str, str], LinkSpec]:
+    """Every host on every rail, with the rail's shape and the next address of its subnet."""
+    links: dict[tuple[str, str], LinkSpec] = {}
     for rail in rails:
         hosts_iter = rail.subnet.hosts()
         for h in hosts:
             ip = next(hosts_iter)
-            links[(h, rail.name)] = Link(h, rail.name, ipaddress.IPv4Interface(
+            links[(h, rail.name)] = LinkSpec(h, rail.name, ipaddress.IPv4Interface(
                 f"{ip}/{rail.subnet.prefixlen}"), rail.shape, rail.mtu)
+    return links
 
-    overrides = doc.get("links") or {}
-    overrides = _require_mapping(overrides, "links", "a mapping such as {h2.r1: {bandwidth: 50mbit}}")
+
+def _apply_link_overrides(links: dict[tuple[str, str], LinkSpec], overrides: Any,
+                          hosts: tuple[str, ...], rails: tuple[RailSpec, ...],
+                          wiring: str) -> None:
+    """The ``links`` section: per-link shapes over the rail's, in place."""
+    overrides = _require_mapping(overrides, "links",
+                                 "a mapping such as {h2.r1: {bandwidth: 50mbit}}")
     for key, raw in overrides.items():
         f = f"links.{key}"
         host, _, rname = str(key).partition(".")
@@ -283,26 +314,45 @@ def parse(doc: Any, source: Optional[str] = None, default_name: str = "topology"
             links[(other, rname)] = replace(links[(other, rname)],
                                             shape=links[(host, rname)].shape)
 
-    tcp = _require_mapping(doc.get("tcp") or {}, "tcp", "a mapping such as {rto_min: 10ms}")
+
+def _parse_tcp(raw: Any) -> dict[str, Any]:
+    tcp = _require_mapping(raw, "tcp", "a mapping such as {rto_min: 10ms}")
     _check_keys(tcp, ("rto_min", "congestion_control"), "tcp")
-    tcp_parsed = {}
+    parsed: dict[str, Any] = {}
     if "rto_min" in tcp:
-        tcp_parsed["rto_min_s"] = parse_duration(tcp["rto_min"], "tcp.rto_min", allow_zero=False)
+        parsed["rto_min_s"] = parse_duration(tcp["rto_min"], "tcp.rto_min", allow_zero=False)
     if "congestion_control" in tcp:
         cc = tcp["congestion_control"]
         if not isinstance(cc, str) or not re.fullmatch(r"[a-z0-9_]{1,15}", cc):
             raise SpecError("tcp.congestion_control", f"{cc!r} is not a congestion control name",
                             "a name such as cubic, reno, bbr or dctcp")
-        tcp_parsed["congestion_control"] = cc
+        parsed["congestion_control"] = cc
+    return parsed
 
+
+def parse(doc: Any, source: Optional[str] = None, default_name: str = "topology") -> Topology:
+    """Validate a loaded YAML document into a Topology (no kernel capabilities checked here),
+    the scenario sections (workload, faults, expect, capture) included."""
+    doc = _parse_document(doc)
+    name = _parse_topology_name(doc.get("name", default_name))
+    if "hosts" not in doc:
+        raise SpecError("hosts", "missing", "a host count (e.g. 4) or a list of host names")
+    hosts = _parse_hosts(doc["hosts"])
+    wiring = _parse_wiring(doc.get("wiring", "switch"), hosts)
+    backend = _parse_backend(doc.get("backend", "pyroute2"))
+    block, rail_prefix = _parse_addressing(doc)
+    rails = _parse_rails(doc.get("rails"), hosts, block, rail_prefix)
+    links = _rail_links(hosts, rails)
+    _apply_link_overrides(links, doc.get("links") or {}, hosts, rails, wiring)
+    tcp = _parse_tcp(doc.get("tcp") or {})
     description = doc.get("description", "")
     if not isinstance(description, str):
         raise SpecError("description", "not a string", "free text")
     sections = {k: doc[k] for k in ("workload", "faults", "expect", "capture") if k in doc}
-    topo = Topology(name=name, hosts=hosts, rails=tuple(rails), links=links, wiring=wiring,
-                    addressing=block, backend=backend, description=description, tcp=tcp_parsed,
+    topo = Topology(name=name, hosts=hosts, rails=rails, links=links, wiring=wiring,
+                    addressing=block, backend=backend, description=description, tcp=tcp,
                     sections=sections, source=source, raw=doc)
-    from testbed import scenario  # validated together, so a bad fault never waits for the build
+    from testbed.model import scenario  # validated together: a bad fault never waits for the build
     scenario.validate(topo)
     return topo
 
@@ -329,8 +379,9 @@ def loads(text: str, source: Optional[str] = None, default_name: str = "topology
 
 
 def check_capabilities(topo: Topology, caps) -> None:
-    # caps: testbed.capabilities.Capabilities (not imported: spec stays free of kernel code)
     """Refuse, before building, any shaping this kernel cannot apply honestly."""
+    # caps: testbed.kernel.capabilities.Capabilities (not imported: the model is free of kernel
+    # code)
     if not caps.netem:
         for link in topo.links.values():
             if link.shape.needs_netem:

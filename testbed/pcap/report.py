@@ -6,20 +6,21 @@ one rail) and the split that crossed the wire (each rail's share of DATA payload
 
 Each packet is captured twice (leaving one host, entering another); a flow is counted once, from
 the capture of the host that owns its source address (``capture.json``, written by
-testbed/run/capture.py), so every byte is counted once, where it was sent.
+testbed.run.capture), so every byte is counted once, where it was sent.
 """
 from __future__ import annotations
 
 import json
 import sys
 from collections import defaultdict
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
 from nezha import wire
 
-from testbed.run.capture import MANIFEST
 from testbed.pcap.dissect import frames_in, tcp_segments
+from testbed.run.capture import MANIFEST
 
 
 def find_captures(results: Path) -> tuple[Optional[dict], list[tuple[str, str, Path]]]:
@@ -38,37 +39,38 @@ def find_captures(results: Path) -> tuple[Optional[dict], list[tuple[str, str, P
     return None, files
 
 
-def analyse(results, rails: Optional[list[str]] = None) -> dict:
-    manifest, files = find_captures(Path(results))
-    if not files:
-        raise FileNotFoundError(f"no pcap files under {results}")
-    owner = {}
-    if manifest:
-        for h, addrs in manifest["hosts"].items():
-            for r, a in addrs.items():
-                owner[a] = h
-        rails = rails or manifest["rails"]
-    rails = rails or sorted({r for _, r, _ in files})
-    seen_flows: set = set()
-    per_rail = {r: {"wire_bytes": 0, "tcp_bytes": 0, "tcp_segments": 0, "frames": 0,
-                    "data_bytes": 0, "chunks": 0, "retrans_segments": 0, "retrans_bytes": 0,
-                    "rerouted_chunks": 0, "acks": 0, "flows": 0, "unparsed_flows": []}
-                for r in rails}
-    per_op: dict = defaultdict(lambda: defaultdict(lambda: {"bytes": 0, "chunks": 0}))
-    op_kind: dict = {}
-    chunk_rails: dict = defaultdict(set)
-    per_host: dict = defaultdict(lambda: defaultdict(int))
-    for host, rail, path in files:
-        # flows sent by this host (by source address); without a manifest, the first file wins
+def _new_rail() -> dict:
+    return {"wire_bytes": 0, "tcp_bytes": 0, "tcp_segments": 0, "frames": 0, "data_bytes": 0,
+            "chunks": 0, "retrans_segments": 0, "retrans_bytes": 0, "rerouted_chunks": 0,
+            "acks": 0, "flows": 0, "unparsed_flows": []}
+
+
+@dataclass
+class _Tally:
+    """Counts over every capture file, filled file by file."""
+
+    per_rail: dict[str, dict]
+    per_op: dict = field(default_factory=lambda: defaultdict(
+        lambda: defaultdict(lambda: {"bytes": 0, "chunks": 0})))
+    op_kind: dict = field(default_factory=dict)
+    chunk_rails: dict = field(default_factory=lambda: defaultdict(set))
+    per_host: dict = field(default_factory=lambda: defaultdict(lambda: defaultdict(int)))
+    seen_flows: set = field(default_factory=set)
+
+    def sent_flows(self, host: str, path: Path, owner: dict) -> set:
+        """Flows of this file sent by ``host`` (by source address) and not counted yet;
+        without a manifest, the first file that has a flow wins."""
         flows = set()
         for seg in tcp_segments(str(path)):
-            src = seg.flow[0]
-            if (owner.get(src) == host if owner else True) and seg.flow not in seen_flows:
+            if (owner.get(seg.flow[0]) == host if owner else True) \
+                    and seg.flow not in self.seen_flows:
                 flows.add(seg.flow)
-        seen_flows |= flows
-        frames, ra = frames_in(str(path), rail, flows)
-        pr = per_rail.setdefault(rail, {k: 0 for k in per_rail[rails[0]]} | {"unparsed_flows": []})
-        for st in ra.flows.values():
+        self.seen_flows |= flows
+        return flows
+
+    @staticmethod
+    def add_streams(pr: dict, streams) -> None:
+        for st in streams:
             pr["wire_bytes"] += st.wire_bytes
             pr["tcp_bytes"] += st.bytes
             pr["tcp_segments"] += st.segments
@@ -79,6 +81,8 @@ def analyse(results, rails: Optional[list[str]] = None) -> dict:
                 pr["other_flows"] = pr.get("other_flows", 0) + 1   # rendezvous store, iperf3...
             elif st.error and st.bytes:
                 pr["unparsed_flows"].append({"flow": list(st.flow), "error": st.error})
+
+    def add_frames(self, host: str, rail: str, pr: dict, frames) -> None:
         for fr in frames:
             h = fr.header
             pr["frames"] += 1
@@ -88,16 +92,40 @@ def analyse(results, rails: Optional[list[str]] = None) -> dict:
                 continue
             pr["data_bytes"] += h.length
             pr["chunks"] += 1
-            per_host[host][rail] += h.length
-            op = per_op[h.op_id][rail]
+            self.per_host[host][rail] += h.length
+            op = self.per_op[h.op_id][rail]
             op["bytes"] += h.length
             op["chunks"] += 1
-            op_kind[h.op_id] = wire.KIND_NAMES.get(h.kind, str(h.kind))
-            chunk_rails[(h.src, h.op_id, h.step, h.chunk, h.offset)].add(rail)
-    rerouted = {k: v for k, v in chunk_rails.items() if len(v) > 1}
-    for key, rs in rerouted.items():
-        for r in rs:
-            per_rail[r]["rerouted_chunks"] += 1
+            self.op_kind[h.op_id] = wire.KIND_NAMES.get(h.kind, str(h.kind))
+            self.chunk_rails[(h.src, h.op_id, h.step, h.chunk, h.offset)].add(rail)
+
+    def rerouted(self) -> dict:
+        """Chunks seen on more than one rail, each counted on every rail it crossed."""
+        rerouted = {k: v for k, v in self.chunk_rails.items() if len(v) > 1}
+        for rs in rerouted.values():
+            for r in rs:
+                self.per_rail[r]["rerouted_chunks"] += 1
+        return rerouted
+
+
+def analyse(results, rails: Optional[list[str]] = None) -> dict:
+    manifest, files = find_captures(Path(results))
+    if not files:
+        raise FileNotFoundError(f"no pcap files under {results}")
+    owner = {}
+    if manifest:
+        owner = {a: h for h, addrs in manifest["hosts"].items() for a in addrs.values()}
+        rails = rails or manifest["rails"]
+    rails = rails or sorted({r for _, r, _ in files})
+    tally = _Tally({r: _new_rail() for r in rails})
+    for host, rail, path in files:
+        flows = tally.sent_flows(host, path, owner)
+        frames, ra = frames_in(str(path), rail, flows)
+        pr = tally.per_rail.setdefault(rail, _new_rail())
+        tally.add_streams(pr, ra.flows.values())
+        tally.add_frames(host, rail, pr, frames)
+    rerouted = tally.rerouted()
+    per_rail = tally.per_rail
     total = sum(pr["data_bytes"] for pr in per_rail.values())
     for pr in per_rail.values():
         pr["share"] = pr["data_bytes"] / total if total else 0.0
@@ -106,9 +134,9 @@ def analyse(results, rails: Optional[list[str]] = None) -> dict:
         "rails": per_rail,
         "split": {r: pr["share"] for r, pr in per_rail.items()},
         "data_bytes": total,
-        "sent_by_host": {h: dict(v) for h, v in per_host.items()},
-        "operations": {str(op): {"kind": op_kind.get(op), "rails": dict(v)}
-                       for op, v in sorted(per_op.items())},
+        "sent_by_host": {h: dict(v) for h, v in tally.per_host.items()},
+        "operations": {str(op): {"kind": tally.op_kind.get(op), "rails": dict(v)}
+                       for op, v in sorted(tally.per_op.items())},
         "rerouted": [{"src": k[0], "op": k[1], "step": k[2], "chunk": k[3], "offset": k[4],
                       "rails": sorted(v)} for k, v in sorted(rerouted.items())],
         "captures": manifest["files"] if manifest else [str(p) for _, _, p in files],

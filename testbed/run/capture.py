@@ -16,7 +16,7 @@ Why tcpdump, driven by a small recorder process, and not scapy's sniffer:
   start of the run. The recorder (``python -m testbed.run.capture``, this module) instead reads
   tcpdump's pcap stream and writes whole packet records until the cap, then drops the rest and
   says so (``truncated``); the file is always a valid pcap.
-* Full packets (snaplen 0): Nezha frames are cut from the TCP byte stream (testbed/dissect.py),
+* Full packets (snaplen 0): Nezha frames are cut from the TCP byte stream (testbed/pcap/dissect.py),
   which needs every payload byte; a short snaplen would lose frame boundaries.
 
 ``start()`` returns once every tcpdump is listening; ``stop()`` ends them (SIGTERM: tcpdump
@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 MANIFEST = "capture.json"
 _PCAP_HDR = 24
 _REC = struct.Struct("=IIII")    # ts_sec, ts_usec, incl_len, orig_len (tcpdump: native order)
@@ -67,8 +67,7 @@ class Capture:
         self.manifest: dict = {}
 
     def __enter__(self) -> "Capture":
-        self.start()
-        return self
+        return self.start()
 
     def __exit__(self, *exc) -> None:
         self.stop()
@@ -154,9 +153,9 @@ def _read_exact(f, n: int) -> bytes:
     return data if data is not None else b""
 
 
-def record(iface: str, out: str, max_bytes: int) -> dict:
-    """Run tcpdump on ``iface`` (in this process's namespace) and write whole packet records
-    to ``out`` until ``max_bytes``. Ends on SIGTERM/SIGINT; returns statistics."""
+def _start_tcpdump(iface: str) -> tuple[subprocess.Popen, list[str]]:
+    """tcpdump writing pcap to its stdout, returned once it listens, and the list that collects
+    its other stderr lines. SIGTERM/SIGINT to this process are passed on (tcpdump flushes)."""
     tcpdump = subprocess.Popen(["tcpdump", "-i", iface, "-n", "-s", "0", "-U", "-B", "16384",
                                 "--immediate-mode", "-w", "-"],
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
@@ -181,31 +180,43 @@ def record(iface: str, out: str, max_bytes: int) -> dict:
     ready.wait(10)
     if tcpdump.poll() is not None:
         raise SystemExit(f"tcpdump on {iface} failed: {' | '.join(errors)}")
+    return tcpdump, errors
+
+
+def _copy_capped(src, f, max_bytes: int, stats: dict) -> None:
+    """Copy a pcap stream to ``f`` record by record until ``max_bytes``; count the rest."""
+    hdr = _read_exact(src, _PCAP_HDR)
+    if len(hdr) != _PCAP_HDR:
+        return
+    f.write(hdr)
+    written = _PCAP_HDR
+    while True:
+        rh = _read_exact(src, _REC.size)
+        if len(rh) < _REC.size:
+            break
+        incl = _REC.unpack(rh)[2]
+        body = _read_exact(src, incl)
+        if len(body) < incl:
+            break
+        if written + len(rh) + incl > max_bytes:
+            stats["truncated"] = True
+            stats["dropped_packets"] += 1
+            continue
+        f.write(rh)
+        f.write(body)
+        written += len(rh) + incl
+        stats["packets"] += 1
+    stats["bytes"] = written
+
+
+def record(iface: str, out: str, max_bytes: int) -> dict:
+    """Run tcpdump on ``iface`` (in this process's namespace) and write whole packet records
+    to ``out`` until ``max_bytes``. Ends on SIGTERM/SIGINT; returns statistics."""
+    tcpdump, errors = _start_tcpdump(iface)
     print("ready", flush=True)
     stats = {"packets": 0, "bytes": 0, "dropped_packets": 0, "truncated": False}
-    src = tcpdump.stdout
     with open(out, "wb") as f:
-        hdr = _read_exact(src, _PCAP_HDR)
-        if len(hdr) == _PCAP_HDR:
-            f.write(hdr)
-            written = _PCAP_HDR
-            while True:
-                rh = _read_exact(src, _REC.size)
-                if len(rh) < _REC.size:
-                    break
-                incl = _REC.unpack(rh)[2]
-                body = _read_exact(src, incl)
-                if len(body) < incl:
-                    break
-                if written + len(rh) + incl > max_bytes:
-                    stats["truncated"] = True
-                    stats["dropped_packets"] += 1
-                    continue
-                f.write(rh)
-                f.write(body)
-                written += len(rh) + incl
-                stats["packets"] += 1
-            stats["bytes"] = written
+        _copy_capped(tcpdump.stdout, f, max_bytes, stats)
         f.flush()
         os.fsync(f.fileno())
     tcpdump.wait()
