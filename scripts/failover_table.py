@@ -3,7 +3,7 @@
     sudo .venv/bin/python scripts/failover_table.py --hosts 3 --rails 2 [--repeat N] [kinds...]
 
 "hit iteration +ms" is how much longer the iteration in flight at the fault took than the
-median iteration (metrics.iteration_stall). Each kind is one testbed run of the scenario tests/test_failover.py uses (16 MiB allreduce on
+median iteration (failover.iteration_stall). Each kind is one testbed run of the scenario tests/test_failover.py uses (16 MiB allreduce on
 rails of 200 Mbit/s, fault at 3 s for 3 s); the table prints the median over --repeat runs and
 the worst value."""
 from __future__ import annotations
@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from test_failover import FAULTS, topology  # noqa: E402
 
-from testbed import spec  # noqa: E402
+from testbed.model import spec  # noqa: E402
 from testbed.run.runner import run_topology  # noqa: E402
 
 COLS = ("detection_ms", "failover_ms", "iteration_stall_ms", "recovery_ms")
@@ -51,15 +51,15 @@ def main() -> int:
             with tempfile.TemporaryDirectory() as d:
                 out = run_topology(topo, Path(d) / topo.name, say=lambda m: None)
             m = dict(out.metrics)
-            stalls = [f.get("iteration_stall_ms") for f in m["detail"].get("faults", ())]
-            stalls = [x for x in stalls if x is not None]
+            stalls = [f.iteration_stall_ms for f in out.metrics.faults
+                      if f.iteration_stall_ms is not None]
             m["iteration_stall_ms"] = max(stalls) if stalls else None
             for c in vals:
                 vals[c].append(m.get(c))
             passed += out.passed
             dump.setdefault(kind, []).append({c: m.get(c) for c in vals} | {
                 "passed": out.passed, "failures": out.verdict.failures,
-                "notes": {c: m["notes"].get(c) for c in COLS if c in m["notes"]}})
+                "notes": {c: out.metrics.notes[c] for c in COLS if c in out.metrics.notes}})
             print(f"{kind} #{i + 1}: " + ", ".join(f"{c}={m.get(c)}" for c in vals)
                   + ("" if out.passed else f"  FAIL {out.verdict.failures}"), flush=True)
         rows.append((kind, *(fmt(vals[c]) for c in COLS),

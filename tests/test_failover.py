@@ -45,11 +45,11 @@ def test_fault_is_survived_exactly(kind, shape, tmp_path, no_leftovers):
     topo = spec.loads(topology(kind, hosts, rails))
     out = run_topology(topo, tmp_path / topo.name, say=lambda m: None)
     m = out.metrics
-    assert m["wrong_results"] == 0 and m["iterations_lost"] == 0, m["notes"]
+    assert m["wrong_results"] == 0 and m["iterations_lost"] == 0, m.notes
     assert m["rank_errors"] == 0
     if FAULTS[kind][2]:
-        assert m["detection_ms"] is not None, m["notes"].get("detection_ms")
-    assert m["failover_ms"] is not None or not FAULTS[kind][1], m["notes"].get("failover_ms")
+        assert m["detection_ms"] is not None, m.notes.get("detection_ms")
+    assert m["failover_ms"] is not None or not FAULTS[kind][1], m.notes.get("failover_ms")
     assert out.passed, "; ".join(out.verdict.failures)
 
 
@@ -67,13 +67,13 @@ expect: {wrong_results: 0, iterations_lost: 0}
 """)
     out = run_topology(topo, tmp_path / "slow", say=lambda m: None)
     assert out.passed, out.verdict.failures
-    from testbed.analysis.sampler import load_events
+    from testbed.analysis.timeline import load_events
     events = load_events(sorted((tmp_path / "slow" / "ranks").glob("*.events.jsonl")))
     downs = [e for e in events if e.get("event") in ("rail_down", "rail_suspected")]
     assert not downs, f"a healthy (slow) rail was declared dead: {downs[:3]}"
     fault = out.faults[0]
-    t0 = fault["t_applied"] - fault["at"]
-    good = out.metrics["detail"]["goodput"]
+    t0 = fault.t_applied - fault.at
+    good = out.metrics.detail["goodput"]
     during = [v for t, v in zip(good["t_rel"], good["rails_mbps"]["r1"])
-              if fault["t_applied"] - t0 + 0.5 < t < fault["t_end"] - t0]
+              if fault.t_applied - t0 + 0.5 < t < fault.t_end - t0]
     assert during and sum(during) / len(during) > 1.0, "r1 stopped carrying traffic while slow"

@@ -108,9 +108,9 @@ faults:
   - {at: 0.2s, action: link-down, target: h2.r1, for: 0.2s}
 """, until=0.6)
     rec = inj.records[0]
-    assert rec["t_applied"] - inj.t0 == pytest.approx(0.2, abs=0.02)
-    assert rec["t_end"] - inj.t0 == pytest.approx(0.4, abs=0.02)
-    assert rec["links"] == ["h2.r1"] and rec["rails"] == ["r1"]
+    assert rec.t_applied - inj.t0 == pytest.approx(0.2, abs=0.02)
+    assert rec.t_end - inj.t0 == pytest.approx(0.4, abs=0.02)
+    assert rec.links == ["h2.r1"] and rec.rails == ["r1"]
     assert fab.links["h2.r1"].up == {"host": True, "switch": True}
 
 
@@ -121,7 +121,7 @@ faults:
 """, until=0.9)
     states = [at(snaps, t)["h3.r0"][1]["host"] for t in (0.15, 0.25, 0.35, 0.45, 0.55, 0.65, 0.8)]
     assert states == [False, True, False, True, False, True, True]
-    assert len(inj.records[0]["toggles"]) == 5
+    assert len(inj.records[0].toggles) == 5
 
 
 def test_link_down_held_by_two_faults_comes_up_only_after_both_end():
@@ -165,7 +165,7 @@ def test_real_fault_cuts_traffic_at_its_time(no_leftovers):
         inj.stop()
         assert seen_down is not None
         assert seen_down - inj.t0 == pytest.approx(0.3, abs=0.02)
-        assert inj.records[0]["t_applied"] - inj.t0 == pytest.approx(0.3, abs=0.02)
+        assert inj.records[0].t_applied - inj.t0 == pytest.approx(0.3, abs=0.02)
         assert link.host_end.is_up()
 
 
@@ -176,6 +176,6 @@ faults:
   - {at: 0.3s, action: link-up, target: h2.r1}
 """, until=0.5)
     down, up = inj.records
-    assert down["t_end"] == pytest.approx(up["t_applied"], abs=1e-6)
+    assert down.t_end == pytest.approx(up.t_applied, abs=1e-6)
     assert at(snaps, 0.2)["h2.r1"][1]["host"] is False
     assert at(snaps, 0.4)["h2.r1"][1]["host"] is True

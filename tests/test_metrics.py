@@ -13,8 +13,10 @@ import pytest
 
 from testbed.analysis import sampler as measure
 from testbed.analysis import metrics
+from testbed.analysis import timeline
 from testbed.model import spec
 from testbed.analysis import verdict
+from testbed.model.records import FaultRecord
 from testbed.model.scenario import build as build_scenario
 
 RATE = 100e6  # bit/s each host receives on a rail while it is active
@@ -95,9 +97,9 @@ def world_spans(stall_end: float = 3.35, heal_at: float = 5.3):
 
 
 def fault_record(t_applied=3.0, t_end=5.0, action="link-down", target="h2.r1", rails=("r1",)):
-    return {"index": 0, "action": action, "target": target, "target_kind": "link",
-            "label": f"{action} {target}", "at": t_applied, "t_applied": t_applied,
-            "t_end": t_end, "rails": list(rails), "links": [target]}
+    return FaultRecord(index=0, action=action, target=target, target_kind="link",
+                       label=f"{action} {target}", at=t_applied, t_applied=t_applied,
+                       t_end=t_end, rails=list(rails), links=[target])
 
 
 def iteration_records(world: int = 2, n: int = 10, t: float = 0.5, dur: float = 0.2):
@@ -125,7 +127,7 @@ def test_rail_shares_of_synthetic_counters():
     m = metrics.compute(TOPO, SCEN, s, iteration_records(n=30), [], [], t0=0.0)
     assert m["rail_share.r0"] == pytest.approx(0.75, abs=0.01)
     assert m["rail_share.r1"] == pytest.approx(0.25, abs=0.01)
-    assert m["detail"]["rail_goodput_mbps"]["r0"] == pytest.approx(300, rel=0.03)
+    assert m.detail["rail_goodput_mbps"]["r0"] == pytest.approx(300, rel=0.03)
 
 
 def test_rail_shares_leave_out_fault_windows():
@@ -165,11 +167,11 @@ def test_failover_of_a_known_stall_within_20ms():
     f = fault_record(3.0, 5.0)
     ev = [{"t": 3.08, "event": "rail_down", "rank": 1, "rail": 1, "peer": 0}]
     m = metrics.compute(TOPO, SCEN, s, span_records(world_spans(3.35)), ev, [f], t0=0.0)
-    row = m["detail"]["faults"][0]
+    row = m.faults[0].failover
     assert in_flight_end > 3.05          # r0 kept carrying its own share after the fault ...
     assert m["failover_ms"] == pytest.approx(350, abs=20), row   # ... the stall still counts
     assert m["detection_ms"] == pytest.approx(80, abs=0.5)
-    assert row["stalls"] and row["natural_gap_ms"] <= 40
+    assert row.stalls and row.natural_gap_ms <= 40
 
 
 @pytest.mark.parametrize("stall_end", [3.2, 3.5, 3.813])
@@ -191,7 +193,7 @@ def test_idle_time_between_iterations_is_not_a_stall():
     r1 = _cut(before, T) + [(a, b) for a, b in after if a >= 5.3]
     m = metrics.compute(TOPO, SCEN, synth_samples({"r0": r0, "r1": r1}), span_records(r0), [],
                         [fault_record()], t0=0.0)
-    assert m["failover_ms"] == 0.0, m["detail"]["faults"][0]
+    assert m["failover_ms"] == 0.0, m.faults[0]
     # without the iterations' spans the longer idle time would be taken for a stall
     m2 = metrics.compute(TOPO, SCEN, synth_samples({"r0": r0, "r1": r1}), [], [],
                          [fault_record()], t0=0.0)
@@ -211,7 +213,7 @@ def test_a_pause_long_after_the_reroute_is_not_failover():
     ev = [{"t": 3.08, "event": "rail_down", "rank": 1, "rail": 1, "peer": 0}]
     m = metrics.compute(TOPO, SCEN, synth_samples({"r0": r0, "r1": r1}), span_records(spans), ev,
                         [fault_record()], t0=0.0)
-    assert m["failover_ms"] == 0.0, m["detail"]["faults"][0]
+    assert m["failover_ms"] == 0.0, m.faults[0]
     # without the detection, the end-of-iteration pause would count
     m2 = metrics.compute(TOPO, SCEN, synth_samples({"r0": r0, "r1": r1}), span_records(spans),
                          [], [fault_record()], t0=0.0)
@@ -225,7 +227,7 @@ def test_no_stall_beyond_natural_dips_is_zero_failover():
     active = {"r0": dual, "r1": _cut(dual, T) + [(a, b) for a, b in dual if a >= 5.3]}
     m = metrics.compute(TOPO, SCEN, synth_samples(active), [], [], [fault_record()], t0=0.0)
     assert m["failover_ms"] is not None and m["failover_ms"] <= 20
-    assert "never stalled" in m["detail"]["faults"][0]["failover_note"]
+    assert "never stalled" in m.faults[0].failover.note
 
 
 def test_surviving_rail_that_never_resumes_is_not_measured():
@@ -235,7 +237,7 @@ def test_surviving_rail_that_never_resumes_is_not_measured():
     m = metrics.compute(TOPO, SCEN, synth_samples(active), [], [], [fault_record(t_end=None)],
                         t0=0.0)
     assert m["failover_ms"] is None
-    assert "failover_ms" in m["notes"]
+    assert "failover_ms" in m.notes
 
 
 def test_recovery_after_the_fault_ends():
@@ -251,7 +253,7 @@ def test_detection_none_without_rail_down_and_verdict_says_not_measured():
           {"t": 1.0, "event": "rail_down", "rank": 0, "rail": 1}]   # before the fault: not it
     m = metrics.compute(TOPO, SCEN, synth_samples(active), [], ev, [fault_record()], t0=0.0)
     assert m["detection_ms"] is None
-    assert "no rail_down" in m["notes"]["detection_ms"]
+    assert "no rail_down" in m.notes["detection_ms"]
     v = verdict.judge(SCEN.expect, m)
     assert not v.passed
     row = next(r for r in v.rows if r.metric == "detection_ms")
@@ -263,15 +265,15 @@ def test_no_faults_means_failover_not_measured():
     s = synth_samples({"r0": [(0, 8)], "r1": [(0, 8)]})
     m = metrics.compute(TOPO, SCEN, s, [], [], [], t0=0.0)
     assert m["failover_ms"] is None and m["detection_ms"] is None and m["recovery_ms"] is None
-    assert "no rail-removing fault" in m["notes"]["failover_ms"]
+    assert "no rail-removing fault" in m.notes["failover_ms"]
 
 
 def test_whole_host_down_has_no_surviving_rail():
     active, _ = failover_world()
     f = fault_record(action="link-down", target="h2", rails=("r0", "r1"))
-    f["target_kind"] = "host"
+    f.target_kind = "host"
     m = metrics.compute(TOPO, SCEN, synth_samples(active), [], [], [f], t0=0.0)
-    assert m["failover_ms"] is None and "no rail survives" in m["notes"]["failover_ms"]
+    assert m["failover_ms"] is None and "no rail survives" in m.notes["failover_ms"]
 
 
 # ------------------------------------------------------------------------------- iterations
@@ -292,7 +294,7 @@ def test_iterations_lost_and_wrong_results_counting():
     assert m["iterations"] == 5
     assert m["iterations_lost"] == 1
     assert m["wrong_results"] == 2
-    assert m["detail"]["counts"]["wrong_records"] == 4
+    assert m.detail["counts"]["wrong_records"] == 4
     assert m["rank_errors"] == 1
 
 
@@ -312,7 +314,7 @@ def test_latency_and_busbw():
     assert m["busbw_mbps"] == pytest.approx(expected, rel=0.01)
     assert m["busbw_vs_rail_sum"] == pytest.approx(expected / 200, rel=0.01)
     assert m["busbw_vs_single_rail"] is None
-    lat = [r["latency_ms"] for r in m["detail"]["iterations"]]
+    lat = [r["latency_ms"] for r in m.detail["iterations"]]
     assert lat[0] == pytest.approx(1200, abs=1) and lat[1] == pytest.approx(200, abs=1)
 
 
@@ -357,12 +359,12 @@ def test_jsonl_loading_tolerates_a_killed_writer(tmp_path):
     p = tmp_path / "r.jsonl"
     p.write_text('{"rank": 0, "iter": 0, "t_start": 1, "t_end": 2, "ok": true, "new": 1}\n'
                  '\n[1, 2]\n{"rank": 0, "iter": 1, "t_sta')
-    recs, summ = measure.load_iterations([p, tmp_path / "missing.jsonl"])
+    recs, summ = timeline.load_iterations([p, tmp_path / "missing.jsonl"])
     assert len(recs) == 1 and summ == []
     e = tmp_path / "e.jsonl"
     e.write_text('{"t": 2.0, "event": "rail_up", "rank": 1, "rail": 0}\n'
                  '{"t": 1.0, "event": "something_new", "rank": 0}\n{"event": "no time"}\n')
-    ev = measure.load_events([e])
+    ev = timeline.load_events([e])
     assert [x["event"] for x in ev] == ["something_new", "rail_up"]
 
 
@@ -370,7 +372,7 @@ def test_timeline_merges_sources_in_time_order():
     active, _ = failover_world()
     s = synth_samples(active)
     f = fault_record()
-    tl = measure.Timeline.merge(samples=s, faults=[f],
+    tl = timeline.Timeline.merge(samples=s, faults=[f],
                                 events=[{"t": 3.08, "event": "rail_down", "rank": 1, "rail": 1}],
                                 iterations=iteration_records(n=3), t0=0.0, rails=["r0", "r1"])
     ts = [r["t"] for r in tl.records]
@@ -440,7 +442,7 @@ def test_sampler_on_a_real_fabric():
     goodput_r0 = float(np.nanmean(r.rail_bps["r0"]))
     assert 0.95 * 50e6 < goodput_r0 < 1.12 * 50e6          # plus the ACKs h1 receives
     assert float(np.nanmean(r.rail_bps["r1"])) < 0.01 * 50e6
-    tl = measure.Timeline.merge(samples=samples, t0=t_first)
+    tl = timeline.Timeline.merge(samples=samples, t0=t_first)
     stops = [x["t"] for x in tl.of("kernel", "traffic_stop") if x["link"] == "h2.r0"]
     assert stops, "no traffic_stop on h2.r0"
     nearest = min(stops, key=lambda t: abs(t - t_down))
@@ -465,5 +467,5 @@ def test_background_chatter_is_not_a_workload():
     bursts = pattern(0.0, 8.0, 0.01, 0.5)
     s = synth_samples({"r0": bursts, "r1": _cut(bursts, 3.0)}, rates={"r0": 5e6, "r1": 5e6})
     m = metrics.compute(TOPO, SCEN, s, [], [], [fault_record(t_end=None)], t0=0.0)
-    assert m["failover_ms"] is None and "no workload traffic" in m["notes"]["failover_ms"]
+    assert m["failover_ms"] is None and "no workload traffic" in m.notes["failover_ms"]
     assert m["rail_share.r0"] is None

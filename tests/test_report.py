@@ -10,8 +10,10 @@ import yaml
 from testbed.analysis import sampler as measure
 from testbed.analysis import metrics
 from testbed.analysis import report
+from testbed.analysis.timeline import Timeline
 from testbed.model import spec
 from testbed.analysis import verdict
+from testbed.model.records import FaultRecord, Metrics, Verdict
 from testbed.model.scenario import Expectation, build as build_scenario
 
 try:
@@ -26,7 +28,7 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 # ------------------------------------------------------------------------------- verdict
 def test_failing_bound_is_named_with_the_measured_value():
-    m = {"failover_ms": 350.0, "wrong_results": 0, "notes": {}}
+    m = Metrics({"failover_ms": 350.0, "wrong_results": 0})
     v = verdict.judge([Expectation("failover_ms", max=200.0),
                        Expectation("wrong_results", 0.0, 0.0)], m)
     assert not v.passed
@@ -37,7 +39,8 @@ def test_failing_bound_is_named_with_the_measured_value():
 
 
 def test_none_metric_fails_as_not_measured_with_the_reason():
-    m = {"detection_ms": None, "notes": {"detection_ms": "fault 0: Nezha logged no rail_down"}}
+    m = Metrics({"detection_ms": None},
+                notes={"detection_ms": "fault 0: Nezha logged no rail_down"})
     v = verdict.judge([Expectation("detection_ms", max=100.0)], m)
     assert not v.passed
     assert v.rows[0].note == "not measured: fault 0: Nezha logged no rail_down"
@@ -45,7 +48,7 @@ def test_none_metric_fails_as_not_measured_with_the_reason():
 
 
 def test_share_bounds_and_no_expectations():
-    m = {"rail_share.r0": 0.61, "notes": {}}
+    m = Metrics({"rail_share.r0": 0.61})
     v = verdict.judge([Expectation("rail_share.r0", 0.4, 0.6)], m)
     assert not v.passed and "0.610" in v.failures[0]
     assert verdict.judge([], m).passed
@@ -63,8 +66,8 @@ def run_data():
     m = metrics.compute(TOPO, SCEN, samples, its, events, faults, t0=0.0,
                         extra={"rank_errors": 0})
     v = verdict.judge(SCEN.expect, m)
-    tl = measure.Timeline.merge(samples=samples, faults=faults, events=events, iterations=its,
-                                t0=0.0)
+    tl = Timeline.merge(samples=samples, faults=faults, events=events, iterations=its,
+                        t0=0.0)
     return samples, faults, m, v, tl
 
 
@@ -81,8 +84,8 @@ def _png(path):
 def test_report_writes_every_file(tmp_path, run_data):
     samples, faults, m, v, tl = run_data
     out = tmp_path / "res"
-    written = report.write(out, TOPO, SCEN, m, v, samples, tl, faults,
-                           timings={"build_s": 0.1})
+    written = report.write(out, report.RunResults(TOPO, SCEN, m, v, faults, samples, tl,
+                                                  timings={"build_s": 0.1}))
     for name in ("results.json", "samples.csv", "timeline.jsonl", "topology.resolved.yaml",
                  "throughput.png", "latency.png"):
         assert (out / name).is_file() and (out / name).stat().st_size > 0, name
@@ -102,6 +105,15 @@ def test_report_writes_every_file(tmp_path, run_data):
     lines = [json.loads(x) for x in (out / "timeline.jsonl").read_text().splitlines()]
     assert {x["source"] for x in lines} == {"kernel", "fault", "nezha", "iteration"}
     assert "busbw" not in written
+    # the records read back from results.json are the records that were written
+    assert Metrics.from_dict(doc).to_dict() == json.loads(json.dumps(m.to_dict()))
+    assert Verdict.from_dict(doc["verdict"]).to_dict() == v.to_dict()
+    assert [FaultRecord.from_dict(f) for f in doc["faults"]] == faults
+    assert set(doc) == {"topology", "t0", "metrics", "notes", "verdict", "faults", "detail",
+                        "phases", "sampler", "versions", "timings", "files"}
+    assert set(doc["faults"][0]) == {"index", "action", "target", "target_kind", "label", "at",
+                                     "for", "t_issued", "t_applied", "t_end", "rails", "links",
+                                     "toggles", "t_applied_rel"}
 
 
 def test_compare_writes_busbw_plot(tmp_path):
@@ -120,7 +132,7 @@ def test_compare_writes_busbw_plot(tmp_path):
     assert m["busbw_vs_single_rail"] == pytest.approx(2.0, rel=0.05)
     v = verdict.judge(sc.expect, m)
     phases = [{"system": "nezha", "size": 1 << 16, "t_start": 0.0, "t_end": 1.0}]
-    report.write(tmp_path, topo, sc, m, v, None, None, [], compare=phases)
+    report.write(tmp_path, report.RunResults(topo, sc, m, v, phases=phases))
     _png(tmp_path / "busbw.png")
     _png(tmp_path / "throughput.png")     # without samples: still a valid, labelled image
     assert (tmp_path / "samples.csv").read_text().startswith("t,link,host,rail")

@@ -139,7 +139,7 @@ expect: {wrong_results: 0}
 """)
     out = run_topology(topo, tmp_path / "cmp", say=lambda m: None)
     assert out.passed, out.verdict.failures
-    by = out.metrics["detail"]["busbw_by_system"]
+    by = out.metrics.detail["busbw_by_system"]
     assert set(by) == {"nezha", "single"}
     assert (tmp_path / "cmp" / "busbw.png").stat().st_size > 5000
     assert out.metrics["busbw_vs_single_rail"] is not None

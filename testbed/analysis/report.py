@@ -2,6 +2,7 @@
 
 ``write`` produces, in ``results_dir``:
   results.json            metrics (with notes and detail), verdict, fault records, versions, timings
+                          (the JSON of the records in testbed.model.records)
   samples.csv             kernel counters per link per sample (t in s since t0)
   timeline.jsonl          every kernel observation, fault, Nezha event and iteration, by time
   topology.resolved.yaml  the topology as resolved (Topology.to_dict())
@@ -17,32 +18,37 @@ import platform
 import subprocess
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-import numpy as np
 import yaml
 
+from testbed.analysis.sampler import Samples
+from testbed.analysis.timeline import Timeline
+from testbed.model.records import (DEGRADING, FaultRecord, Metrics, Verdict, format_value,
+                                   jsonable)
 from testbed.model.scenario import METRICS, SHARE_PREFIX, SIZED_PREFIX
-from testbed.analysis.verdict import Verdict, format_value
+
+# a fault without an end that leaves its mark until the end of the run (a flap always ends)
+_UNENDED = ("link-down", "blackhole") + DEGRADING
 
 
-def _jsonable(v: Any) -> Any:
-    if isinstance(v, float):
-        return v if math.isfinite(v) else None
-    if isinstance(v, np.floating):
-        return _jsonable(float(v))
-    if isinstance(v, np.integer):
-        return int(v)
-    if isinstance(v, np.ndarray):
-        return _jsonable(v.tolist())
-    if isinstance(v, dict):
-        return {str(k): _jsonable(x) for k, x in v.items()}
-    if isinstance(v, (list, tuple, set)):
-        return [_jsonable(x) for x in v]
-    if isinstance(v, (str, int, bool)) or v is None:
-        return v
-    return str(v)
+@dataclass
+class RunResults:
+    """Everything one run leaves for the results folder. ``phases``: the workload phases
+    [{system, size, t_start, t_end}] of a compare or sweep run (shaded on the throughput plot);
+    ``timings``: seconds per stage, written as they are."""
+
+    topo: Any
+    scenario: Any
+    metrics: Metrics
+    verdict: Verdict
+    faults: list[FaultRecord] = field(default_factory=list)
+    samples: Optional[Samples] = None
+    timeline: Optional[Timeline] = None
+    phases: Optional[list[dict]] = None
+    timings: dict = field(default_factory=dict)
 
 
 def versions() -> dict:
@@ -63,98 +69,102 @@ def versions() -> dict:
     return out
 
 
-def _t0(metrics: dict, faults: Sequence[dict], timeline) -> float:
-    t0 = (metrics.get("detail") or {}).get("t0")
-    if t0 is None and timeline is not None:
-        t0 = getattr(timeline, "t0", None)
+def _t0(run: RunResults) -> float:
+    t0 = run.metrics.detail.get("t0")
+    if t0 is None and run.timeline is not None:
+        t0 = getattr(run.timeline, "t0", None)
     if t0 is None:
-        ts = [f["t_applied"] for f in faults if f.get("t_applied") is not None]
+        ts = [f.t_applied for f in run.faults if f.t_applied is not None]
         t0 = min(ts) if ts else 0.0
     return float(t0)
 
 
-def write(results_dir, topo, scenario, metrics: dict, verdict: Verdict, samples, timeline,
-          faults: Sequence[dict], compare=None, timings: Optional[dict] = None) -> dict:
-    """Write the whole results folder; returns {kind: path} of what was written.
-
-    ``compare`` (optional): the workload phases [{system, size, t_start, t_end}] of a compare
-    or sweep run, shaded on the throughput plot; ``busbw.png`` comes from
-    ``metrics['detail']['busbw_by_system']`` whenever it holds a size sweep or several systems."""
-    out = Path(results_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    t_begin = time.monotonic()
-    t0 = _t0(metrics, faults, timeline)
-    written: dict[str, Path] = {}
-
+def _write_data(out: Path, run: RunResults, t0: float) -> dict[str, Path]:
+    """samples.csv, timeline.jsonl, topology.resolved.yaml (empty ones when nothing was
+    recorded, so a results folder always has the same files)."""
     p = out / "samples.csv"
-    if samples is not None:
-        samples.to_csv(p, t0=t0)
+    if run.samples is not None:
+        run.samples.to_csv(p, t0=t0)
     else:
         p.write_text("t,link,host,rail,tx_bytes,rx_bytes,tx_packets,rx_packets,rx_dropped,"
                      "tx_dropped,up\n")
-    written["samples"] = p
-
+    written = {"samples": p}
     p = out / "timeline.jsonl"
-    if timeline is not None:
-        timeline.write(p)
+    if run.timeline is not None:
+        run.timeline.write(p)
     else:
         p.write_text("")
     written["timeline"] = p
-
     p = out / "topology.resolved.yaml"
-    p.write_text(yaml.safe_dump(_jsonable(topo.to_dict()), sort_keys=False))
+    p.write_text(yaml.safe_dump(jsonable(run.topo.to_dict()), sort_keys=False))
     written["topology"] = p
+    return written
 
+
+def _write_plots(out: Path, run: RunResults, t0: float) -> dict[str, Path]:
+    """throughput.png, latency.png, and busbw.png when there is a size sweep or several
+    systems."""
     import matplotlib
     matplotlib.use("Agg", force=True)
-    written["throughput"] = plot_throughput(out / "throughput.png", topo, metrics, samples,
-                                            faults, t0, compare)
-    written["latency"] = plot_latency(out / "latency.png", metrics, faults, t0)
-    bw = (metrics.get("detail") or {}).get("busbw_by_system") or {}
-    if compare or len(bw) > 1 or any(len(v) > 1 for v in bw.values()):
-        written["busbw"] = plot_busbw(out / "busbw.png", topo, metrics)
+    m = run.metrics
+    written = {"throughput": plot_throughput(out / "throughput.png", run.topo, m, run.samples,
+                                             run.faults, t0, run.phases),
+               "latency": plot_latency(out / "latency.png", m, run.faults, t0)}
+    bw = m.detail.get("busbw_by_system") or {}
+    if run.phases or len(bw) > 1 or any(len(v) > 1 for v in bw.values()):
+        written["busbw"] = plot_busbw(out / "busbw.png", run.topo, m)
+    return written
 
+
+def write(results_dir, run: RunResults) -> dict:
+    """Write the whole results folder; returns {kind: path} of what was written."""
+    out = Path(results_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    t_begin = time.monotonic()
+    t0 = _t0(run)
+    written = _write_data(out, run, t0)
+    written.update(_write_plots(out, run, t0))
+    m = run.metrics
     p = out / "results.json"
-    doc = {"topology": topo.name, "t0": t0,
-           "metrics": {k: v for k, v in metrics.items() if k not in ("detail", "notes")},
-           "notes": metrics.get("notes") or {}, "verdict": verdict.to_dict(),
-           "faults": [dict(f, t_applied_rel=(f["t_applied"] - t0) if f.get("t_applied")
-                           is not None else None) for f in faults],
-           "detail": metrics.get("detail") or {}, "phases": compare,
-           "sampler": (metrics.get("detail") or {}).get("sampler"),
+    doc = {"topology": run.topo.name, "t0": t0, "metrics": dict(m.values), "notes": m.notes,
+           "verdict": run.verdict.to_dict(),
+           "faults": [dict(f.to_dict(), t_applied_rel=(f.t_applied - t0)
+                           if f.t_applied is not None else None) for f in run.faults],
+           "detail": m.detail_dict(), "phases": run.phases,
+           "sampler": m.detail.get("sampler"),
            "versions": versions(),
-           "timings": dict(timings or {}, report_s=time.monotonic() - t_begin),
+           "timings": dict(run.timings, report_s=time.monotonic() - t_begin),
            "files": {k: v.name for k, v in written.items()}}
-    p.write_text(json.dumps(_jsonable(doc), indent=1))
+    p.write_text(json.dumps(jsonable(doc), indent=1))
     written["results"] = p
     return written
 
 
 # ----------------------------------------------------------------------------------- plots
-def _fault_spans(ax, faults: Sequence[dict], t0: float, t_max: float) -> None:
+def _fault_spans(ax, faults: Sequence[FaultRecord], t0: float, t_max: float) -> None:
     colours = ["tab:red", "tab:purple", "tab:brown", "tab:olive", "tab:pink"]
-    for i, f in enumerate(sorted((f for f in faults if f.get("t_applied") is not None),
-                                 key=lambda f: f["t_applied"])):
+    for i, f in enumerate(sorted((f for f in faults if f.t_applied is not None),
+                                 key=lambda f: f.t_applied)):
         c = colours[i % len(colours)]
-        a = f["t_applied"] - t0
-        label = f.get("label") or f.get("action") or "fault"
-        if f.get("t_end") is not None:
-            ax.axvspan(a, f["t_end"] - t0, color=c, alpha=0.12, lw=0)
-            ax.axvline(f["t_end"] - t0, color=c, ls=":", lw=1)
-        elif f.get("action") in ("link-down", "blackhole", "rate", "loss", "delay"):
+        a = f.t_applied - t0
+        label = f.label or f.action or "fault"
+        if f.t_end is not None:
+            ax.axvspan(a, f.t_end - t0, color=c, alpha=0.12, lw=0)
+            ax.axvline(f.t_end - t0, color=c, ls=":", lw=1)
+        elif f.action in _UNENDED:
             ax.axvspan(a, t_max, color=c, alpha=0.08, lw=0)
         ax.axvline(a, color=c, ls="--", lw=1.2)
-        for tog in f.get("toggles") or ():
-            if tog.get("t") is not None:
-                ax.axvline(tog["t"] - t0, color=c, ls=":", lw=0.8,
-                           alpha=0.9 if tog.get("state") == "down" else 0.5)
+        for tog in f.toggles:
+            if tog.t is not None:
+                ax.axvline(tog.t - t0, color=c, ls=":", lw=0.8,
+                           alpha=0.9 if tog.state == "down" else 0.5)
         ax.annotate(f"{label} @ {a:.2f}s", xy=(a, 1.0), xycoords=ax.get_xaxis_transform(),
                     xytext=(3, -3 - 11 * (i % 4)), textcoords="offset points", fontsize=8,
                     color=c, va="top")
 
 
-def plot_throughput(path: Path, topo, metrics: dict, samples, faults: Sequence[dict],
-                    t0: float, phases=None) -> Path:
+def plot_throughput(path: Path, topo, metrics: Metrics, samples: Optional[Samples],
+                    faults: Sequence[FaultRecord], t0: float, phases=None) -> Path:
     import matplotlib.pyplot as plt
     from testbed.analysis.metrics import BIN_S
     fig, ax = plt.subplots(figsize=(11, 4.8), dpi=110)
@@ -193,9 +203,9 @@ def plot_throughput(path: Path, topo, metrics: dict, samples, faults: Sequence[d
     return path
 
 
-def plot_latency(path: Path, metrics: dict, faults: Sequence[dict], t0: float) -> Path:
+def plot_latency(path: Path, metrics: Metrics, faults: Sequence[FaultRecord], t0: float) -> Path:
     import matplotlib.pyplot as plt
-    its = [r for r in (metrics.get("detail") or {}).get("iterations", [])
+    its = [r for r in metrics.detail.get("iterations", [])
            if r.get("t_rel") is not None and r.get("latency_ms") is not None]
     fig, ax = plt.subplots(figsize=(11, 4.2), dpi=110)
     if its:
@@ -236,9 +246,9 @@ def plot_latency(path: Path, metrics: dict, faults: Sequence[dict], t0: float) -
     return path
 
 
-def plot_busbw(path: Path, topo, metrics: dict) -> Path:
+def plot_busbw(path: Path, topo, metrics: Metrics) -> Path:
     import matplotlib.pyplot as plt
-    detail = metrics.get("detail") or {}
+    detail = metrics.detail
     bw = detail.get("busbw_by_system") or {}
     fig, ax = plt.subplots(figsize=(8, 5), dpi=110)
     for system, sizes in sorted(bw.items()):
@@ -265,7 +275,7 @@ def plot_busbw(path: Path, topo, metrics: dict) -> Path:
 
 
 # ----------------------------------------------------------------------------------- terminal
-def summary_table(metrics: dict, verdict: Verdict) -> str:
+def summary_table(metrics: Metrics, verdict: Verdict) -> str:
     """Aligned columns: metric, expected, measured, result; every expectation first, then the
     other measured metrics for context; notes of failed rows below."""
     rows = [(r.metric, r.expected, format_value(r.metric, r.measured), r.status)

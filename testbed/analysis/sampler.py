@@ -7,8 +7,8 @@ and the logs the ranks wrote, merged into one timeline.
   machine, so these times line up with the fault records and the ranks' event logs.
 * ``Samples`` holds the result as columnar numpy arrays per link; ``Samples.rates`` turns the
   cumulative counters into per-link and per-rail bit rates in fixed bins.
-* ``Timeline`` merges kernel observations, fault records, Nezha events and iteration records,
-  sorted by time, and writes them as ``timeline.jsonl``.
+* ``Timeline`` (in ``timeline.py``) merges kernel observations, fault records, Nezha events and
+  iteration records, sorted by time, and writes them as ``timeline.jsonl``.
 
 Goodput (used by every metric): the bytes *delivered to hosts*, i.e. for a rail the sum over its
 hosts of the ``rx_bytes`` deltas at the host end of each link, in bit/s. These are kernel L2
@@ -17,12 +17,11 @@ bytes (IP and TCP headers and ACKs included, no FCS), the same bytes the shapers
 from __future__ import annotations
 
 import csv
-import json
 import logging
 import math
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Optional, Sequence
 
@@ -394,188 +393,3 @@ class Sampler:
         self._result = Samples(links, self.interval, list(self._notes), self._ticks, self._late,
                                self._dump_total / max(1, self._ticks))
         return self._result
-
-
-# ---------------------------------------------------------------------------------- logs
-def load_jsonl(path: str | Path) -> list[dict]:
-    """JSON objects, one per line. Blank lines, non-objects and a truncated last line (a rank
-    killed mid-write) are skipped; a missing file gives []."""
-    out = []
-    try:
-        with open(path, errors="replace") as f:
-            for line in f:
-                line = line.strip()
-                if not line:
-                    continue
-                try:
-                    obj = json.loads(line)
-                except json.JSONDecodeError:
-                    continue
-                if isinstance(obj, dict):
-                    out.append(obj)
-    except FileNotFoundError:
-        return []
-    return out
-
-
-def load_iterations(paths: Iterable[str | Path]) -> tuple[list[dict], list[dict]]:
-    """(iteration records, summary lines) from the ranks' ``--results`` files. Records without
-    ``iter`` are ignored; a missing summary (killed rank) is simply absent."""
-    recs, summaries = [], []
-    for p in paths:
-        for obj in load_jsonl(p):
-            if obj.get("summary"):
-                summaries.append(obj)
-            elif "iter" in obj:
-                recs.append(obj)
-    return recs, summaries
-
-
-def load_events(paths: Iterable[str | Path]) -> list[dict]:
-    """Every rank's Nezha events, sorted by ``t``; lines without a numeric ``t`` are dropped."""
-    out = [e for p in paths for e in load_jsonl(p) if isinstance(e.get("t"), (int, float))]
-    out.sort(key=lambda e: e["t"])
-    return out
-
-
-def rail_name(value: Any, rails: Sequence[str]) -> Optional[str]:
-    """A rail as Nezha logs it (index, "1", or a name) -> the topology's rail name."""
-    if value is None or isinstance(value, bool):
-        return None
-    if isinstance(value, int):
-        return rails[value] if 0 <= value < len(rails) else None
-    s = str(value)
-    if s in rails:
-        return s
-    if s.isdigit() and int(s) < len(rails):
-        return rails[int(s)]
-    return None
-
-
-# ---------------------------------------------------------------------------------- timeline
-def _jsonable(v: Any) -> Any:
-    if isinstance(v, float) and not math.isfinite(v):
-        return None
-    if isinstance(v, (np.floating,)):
-        return _jsonable(float(v))
-    if isinstance(v, np.integer):
-        return int(v)
-    if isinstance(v, np.ndarray):
-        return [_jsonable(x) for x in v.tolist()]
-    if isinstance(v, dict):
-        return {str(k): _jsonable(x) for k, x in v.items()}
-    if isinstance(v, (list, tuple)):
-        return [_jsonable(x) for x in v]
-    return v
-
-
-@dataclass
-class Timeline:
-    """Records from every source on one monotonic clock, sorted by ``t``.
-
-    Every record has ``t`` (monotonic s), ``t_rel`` (s since the run's t0), ``source``
-    (kernel | fault | nezha | iteration) and ``kind``:
-    kernel: ``goodput`` (per-rail Mbit/s over the last ``summary_s``), ``link_down`` /
-    ``link_up`` (first sample with the changed state), ``traffic_stop`` / ``traffic_resume``
-    (a link's rx counter flat for >= ``min_idle``; stop = first flat sample);
-    fault: ``fault_start`` / ``fault_toggle`` / ``fault_end``; nezha: the event name;
-    iteration: ``iteration_end`` (one per rank and iteration, with latency and ok)."""
-
-    t0: float
-    records: list[dict] = field(default_factory=list)
-
-    @classmethod
-    def merge(cls, samples: Optional[Samples] = None, faults: Sequence[dict] = (),
-              events: Sequence[dict] = (), iterations: Sequence[dict] = (),
-              t0: Optional[float] = None, rails: Optional[Sequence[str]] = None,
-              summary_s: float = 0.1, min_idle: float = 0.04) -> "Timeline":
-        if t0 is None:
-            cands = [f.get("t_applied") for f in faults if f.get("t_applied") is not None]
-            if samples:
-                cands.append(samples.span[0])
-            t0 = min(cands) if cands else 0.0
-        recs: list[dict] = []
-        rail_names = list(rails) if rails else (list(samples.rails) if samples else [])
-        if samples:
-            recs += cls._kernel(samples, t0, summary_s, min_idle)
-        for f in faults:
-            base = {k: f.get(k) for k in ("index", "action", "target", "label", "rails", "links")}
-            if f.get("t_applied") is not None:
-                recs.append({"t": f["t_applied"], "source": "fault", "kind": "fault_start",
-                             "at": f.get("at"), **base})
-            for tog in f.get("toggles") or ():
-                if tog.get("t") is not None:
-                    recs.append({"t": tog["t"], "source": "fault", "kind": "fault_toggle",
-                                 "state": tog.get("state"), **base})
-            if f.get("t_end") is not None:
-                recs.append({"t": f["t_end"], "source": "fault", "kind": "fault_end", **base})
-        for e in events:
-            if not isinstance(e.get("t"), (int, float)):
-                continue
-            rec = {k: v for k, v in e.items()}
-            rec.update(source="nezha", kind=str(e.get("event", "?")))
-            if "rail" in e and rail_names:
-                rec["rail_name"] = rail_name(e["rail"], rail_names)
-            recs.append(rec)
-        for it in iterations:
-            if not isinstance(it.get("t_end"), (int, float)):
-                continue
-            lat = it["t_end"] - it["t_start"] if isinstance(it.get("t_start"), (int, float)) \
-                else None
-            recs.append({"t": it["t_end"], "source": "iteration", "kind": "iteration_end",
-                         "rank": it.get("rank"), "iter": it.get("iter"), "ok": it.get("ok"),
-                         "bytes": it.get("bytes"), "latency_s": lat,
-                         "system": it.get("system"), "phase": it.get("phase")})
-        for r in recs:
-            r["t_rel"] = r["t"] - t0
-        recs.sort(key=lambda r: r["t"])
-        return cls(t0, recs)
-
-    @staticmethod
-    def _kernel(samples: Samples, t0: float, summary_s: float, min_idle: float) -> list[dict]:
-        out = []
-        lo, hi = samples.span
-        if math.isfinite(lo):
-            start = t0 + math.ceil((lo - t0) / summary_s - 1e-9) * summary_s
-            rates = samples.rates(summary_s, start=start, end=hi)
-            for i in range(len(rates)):
-                rails = {r: (None if math.isnan(v[i]) else round(float(v[i]) / 1e6, 3))
-                         for r, v in rates.rail_bps.items()}
-                if all(v is None for v in rails.values()):
-                    continue
-                out.append({"t": float(rates.edges[i + 1]), "source": "kernel",
-                            "kind": "goodput", "window_s": summary_s, "rails_mbps": rails})
-        for s in samples.links.values():
-            if len(s) == 0:
-                continue
-            prev = bool(s.up[0])
-            for i in range(1, len(s)):
-                cur = bool(s.up[i])
-                if cur != prev:
-                    out.append({"t": float(s.t[i]), "source": "kernel",
-                                "kind": "link_up" if cur else "link_down", "link": s.link,
-                                "rail": s.rail, "host": s.host})
-                prev = cur
-            for t_stop, t_resume in samples.idle_periods(s.link, min_idle):
-                out.append({"t": t_stop, "source": "kernel", "kind": "traffic_stop",
-                            "link": s.link, "rail": s.rail, "host": s.host})
-                if t_resume is not None:
-                    out.append({"t": t_resume, "source": "kernel", "kind": "traffic_resume",
-                                "link": s.link, "rail": s.rail, "host": s.host,
-                                "idle_s": t_resume - t_stop})
-        return out
-
-    def of(self, source: Optional[str] = None, kind: Optional[str] = None) -> list[dict]:
-        return [r for r in self.records if (source is None or r["source"] == source)
-                and (kind is None or r["kind"] == kind)]
-
-    def between(self, t1: float, t2: float) -> list[dict]:
-        return [r for r in self.records if t1 <= r["t"] <= t2]
-
-    def write(self, path: str | Path) -> None:
-        with open(path, "w") as f:
-            for r in self.records:
-                f.write(json.dumps(_jsonable(r), default=str) + "\n")
-
-    def __len__(self) -> int:
-        return len(self.records)

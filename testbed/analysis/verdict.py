@@ -2,85 +2,32 @@
 
 A metric that was not measured (None) fails its expectation with "not measured" and the reason
 the metrics module gave; it never passes by default.
+
+``Verdict``, ``Row`` and ``format_value`` live in ``testbed.model.records`` (a verdict crosses
+the run boundary in ``RunOutcome``); they are re-exported here.
 """
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field
-from typing import Any, NamedTuple, Sequence
+from typing import Sequence
 
+from testbed.model.records import UNITS, Metrics, Row, Verdict, format_value
 from testbed.model.scenario import SHARE_PREFIX, SIZED_PREFIX, Expectation
 
-UNITS = {"failover_ms": "ms", "detection_ms": "ms", "recovery_ms": "ms", "busbw_mbps": "Mbit/s"}
+__all__ = ["UNITS", "Row", "Verdict", "format_value", "judge"]
 
 
-def format_value(metric: str, value: Any) -> str:
-    """A measured value for people: units for times and rates, 3 decimals for ratios."""
-    if value is None:
-        return "not measured"
-    if isinstance(value, bool):
-        return str(value)
-    if isinstance(value, int):
-        return str(value)
-    if isinstance(value, float):
-        if not math.isfinite(value):
-            return str(value)
-        unit = UNITS.get(metric)
-        if unit == "ms":
-            return f"{value:.1f} ms"
-        if unit:
-            return f"{value:.1f} {unit}"
-        if metric.startswith(SHARE_PREFIX) or metric.startswith("busbw_vs"):
-            return f"{value:.3f}"
-        return f"{value:g}"
-    return str(value)
+def _why_not_measured(metric: str, notes: dict) -> str:
+    why = notes.get(metric) or (
+        notes.get("rail_share") if metric.startswith(SHARE_PREFIX) else
+        notes.get("busbw_vs_single_rail") or "that size was not run by both systems"
+        if metric.startswith(SIZED_PREFIX) else None)
+    return "not measured" + (f": {why}" if why else "")
 
 
-class Row(NamedTuple):
-    metric: str
-    expected: str        # the bound, as written ("<= 200", "0", "0.4..0.6")
-    measured: Any        # the value (None: not measured)
-    ok: bool
-    note: str            # "" | "not measured: ..." | caveat from the metrics
-
-    @property
-    def status(self) -> str:
-        return "PASS" if self.ok else "FAIL"
-
-
-@dataclass
-class Verdict:
-    rows: list[Row] = field(default_factory=list)
-
-    @property
-    def passed(self) -> bool:
-        return all(r.ok for r in self.rows)
-
-    @property
-    def failures(self) -> list[str]:
-        """One line per failed expectation naming metric, bound and value."""
-        out = []
-        for r in self.rows:
-            if r.ok:
-                continue
-            line = f"{r.metric}: measured {format_value(r.metric, r.measured)}, " \
-                   f"expected {r.expected}"
-            if r.note:
-                line += f" ({r.note})"
-            out.append(line)
-        return out
-
-    def to_dict(self) -> dict:
-        return {"passed": self.passed,
-                "rows": [{"metric": r.metric, "expected": r.expected, "measured": r.measured,
-                          "ok": r.ok, "status": r.status, "note": r.note} for r in self.rows],
-                "failures": self.failures}
-
-
-def judge(expectations: Sequence[Expectation], metrics: dict) -> Verdict:
-    """Hold every expectation against ``metrics`` (from ``testbed.metrics.compute``). A metric
+def judge(expectations: Sequence[Expectation], metrics: Metrics) -> Verdict:
+    """Hold every expectation against ``metrics`` (from ``analysis.metrics.compute``). A metric
     that was not measured fails its expectation, with the reason as the row's note."""
-    notes = metrics.get("notes") or {}
+    notes = metrics.notes
     rows = []
     for e in expectations:
         value = metrics.get(e.metric)
@@ -89,11 +36,7 @@ def judge(expectations: Sequence[Expectation], metrics: dict) -> Verdict:
         ok = e.holds(value) if isinstance(value, (int, float)) or value is None else False
         note = ""
         if value is None:
-            why = notes.get(e.metric) or (
-                notes.get("rail_share") if e.metric.startswith(SHARE_PREFIX) else
-                notes.get("busbw_vs_single_rail") or "that size was not run by both systems"
-                if e.metric.startswith(SIZED_PREFIX) else None)
-            note = "not measured" + (f": {why}" if why else "")
+            note = _why_not_measured(e.metric, notes)
         elif e.metric in notes:
             note = notes[e.metric]
         rows.append(Row(e.metric, e.describe(), value, bool(ok), note))

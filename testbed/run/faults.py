@@ -16,11 +16,11 @@ from dataclasses import replace
 from typing import Callable, Optional
 
 from testbed.fabric import Fabric, Link
+from testbed.model.records import SHAPING, FaultRecord, Toggle
 from testbed.model.scenario import Fault
 from testbed.model.spec import Shape
 
 log = logging.getLogger(__name__)
-RAIL_REMOVING = ("link-down", "blackhole", "flap")
 
 
 class _LinkLayers:
@@ -80,7 +80,7 @@ class FaultInjector:
         self.kill = kill
         self.on_event = on_event or (lambda e: None)
         self.layers = {name: _LinkLayers(link, link.shape) for name, link in fabric.links.items()}
-        self.records: list[dict] = []
+        self.records: list[FaultRecord] = []
         self.t0 = 0.0
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
@@ -173,71 +173,86 @@ class FaultInjector:
                     self.errors.append(f"undo of fault {fault.index} failed: {e}")
 
     # ---------------------------------------------------------------- one step
-    def _record(self, fault: Fault) -> dict:
+    def _record(self, fault: Fault) -> FaultRecord:
         for r in self.records:
-            if r["index"] == fault.index:
+            if r.index == fault.index:
                 return r
         links = self.links_of(fault) if fault.target_kind != "host" or fault.action != "kill" \
             else []
-        rec = {"index": fault.index, "action": fault.action, "target": fault.target,
-               "target_kind": fault.target_kind, "label": fault.label, "at": fault.at,
-               "for": fault.duration, "t_issued": None, "t_applied": None, "t_end": None,
-               "rails": sorted({l.rail for l in links}), "links": [l.name for l in links],
-               "toggles": []}
+        rec = FaultRecord(index=fault.index, action=fault.action, target=fault.target,
+                          target_kind=fault.target_kind, label=fault.label, at=fault.at,
+                          duration=fault.duration, rails=sorted({l.rail for l in links}),
+                          links=[l.name for l in links])
         self.records.append(rec)
         return rec
 
     def _step(self, step: str, f: Fault) -> None:
         rec = self._record(f)
         t_issued = time.monotonic()
-        key = f.index
         links = [self.layers[l.name] for l in self.links_of(f)] if f.action != "kill" else []
-        t = t_issued
         if step == "start":
-            self._active[key] = f
-            if f.action in ("link-down", "flap"):
-                t = max(layer.hold_down(key, f.end) for layer in links)
-            elif f.action == "link-up":
-                ended: set[int] = set()
-                for layer in links:   # an explicit link-up ends every down that holds the link
-                    for holder in list(layer.down_holders):
-                        layer.release(holder)
-                        ended.add(holder)
-                t = max((layer.link.set_state(True, f.end) for layer in links), default=t)
-                self._active.pop(key, None)
-                for holder in ended:  # a link-down without `for` ends here
-                    if holder in self._active and self._active[holder].duration is None:
-                        self._active.pop(holder)
-                        self._record(self.faults_by_index[holder])["t_end"] = t
-            elif f.action == "rate":
-                t = max(layer.push_shape(key, {"rate_bps": f.value}) for layer in links)
-            elif f.action == "loss":
-                t = max(layer.push_shape(key, {"loss": f.value}) for layer in links)
-            elif f.action == "blackhole":
-                t = max(layer.push_shape(key, {"loss": 1.0}) for layer in links)
-            elif f.action == "delay":
-                t = max(layer.push_shape(key, {"delay_s": f.value, "jitter_s": f.jitter})
-                        for layer in links)
-            elif f.action == "kill":
-                if self.kill is None:
-                    raise RuntimeError("no workload process to kill")
-                self.kill(f.target, f.signal)
-                t = time.monotonic()
-                self._active.pop(key, None)
-            rec["t_issued"], rec["t_applied"] = t_issued, t
+            t = self._start(f, links, t_issued)
+            rec.t_issued, rec.t_applied = t_issued, t
         elif step in ("flap-down", "flap-up"):
             if step == "flap-down":
-                t = max(layer.hold_down(key, f.end) for layer in links)
+                t = max(layer.hold_down(f.index, f.end) for layer in links)
             else:
-                t = max(layer.release(key) for layer in links)
-            rec["toggles"].append({"t": t, "state": "down" if step == "flap-down" else "up"})
+                t = max(layer.release(f.index) for layer in links)
+            rec.toggles.append(Toggle(t, "down" if step == "flap-down" else "up"))
         elif step == "end":
-            if key not in self._active:
+            if f.index not in self._active:
                 return
-            self._active.pop(key)
-            if f.action in ("link-down", "flap"):
-                t = max(layer.release(key) for layer in links)
-            elif f.action in ("rate", "loss", "blackhole", "delay"):
-                t = max(layer.pop_shape(key) for layer in links)
-            rec["t_end"] = t
+            t = rec.t_end = self._end(f, links, t_issued)
+        else:
+            t = t_issued
         self.on_event({"t": t, "event": f"fault_{step}", "fault": f.index, "label": f.label})
+
+    def _start(self, f: Fault, links: list[_LinkLayers], t: float) -> float:
+        """Apply a fault; returns when its last change was acknowledged."""
+        key = f.index
+        self._active[key] = f
+        if f.action in ("link-down", "flap"):
+            t = max(layer.hold_down(key, f.end) for layer in links)
+        elif f.action == "link-up":
+            t = self._link_up(f, links, t)
+        elif f.action == "rate":
+            t = max(layer.push_shape(key, {"rate_bps": f.value}) for layer in links)
+        elif f.action == "loss":
+            t = max(layer.push_shape(key, {"loss": f.value}) for layer in links)
+        elif f.action == "blackhole":
+            t = max(layer.push_shape(key, {"loss": 1.0}) for layer in links)
+        elif f.action == "delay":
+            t = max(layer.push_shape(key, {"delay_s": f.value, "jitter_s": f.jitter})
+                    for layer in links)
+        elif f.action == "kill":
+            if self.kill is None:
+                raise RuntimeError("no workload process to kill")
+            self.kill(f.target, f.signal)
+            t = time.monotonic()
+            self._active.pop(key, None)
+        return t
+
+    def _link_up(self, f: Fault, links: list[_LinkLayers], t: float) -> float:
+        """An explicit link-up ends every down that holds the link; a link-down without
+        ``for`` ends here (its record gets this t_end)."""
+        ended: set[int] = set()
+        for layer in links:
+            for holder in list(layer.down_holders):
+                layer.release(holder)
+                ended.add(holder)
+        t = max((layer.link.set_state(True, f.end) for layer in links), default=t)
+        self._active.pop(f.index, None)
+        for holder in ended:
+            if holder in self._active and self._active[holder].duration is None:
+                self._active.pop(holder)
+                self._record(self.faults_by_index[holder]).t_end = t
+        return t
+
+    def _end(self, f: Fault, links: list[_LinkLayers], t: float) -> float:
+        """Undo a fault's own layer; returns when that was acknowledged."""
+        self._active.pop(f.index)
+        if f.action in ("link-down", "flap"):
+            t = max(layer.release(f.index) for layer in links)
+        elif f.action in SHAPING:
+            t = max(layer.pop_shape(f.index) for layer in links)
+        return t

@@ -6,7 +6,6 @@ user's own program on every host with the rails and the rendezvous in environmen
 """
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -17,6 +16,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from testbed.fabric import Fabric
+from testbed.model.records import IterationRecord, load_jsonl
 from testbed.model.scenario import Workload
 
 BASE_PORT = 29500
@@ -47,7 +47,7 @@ class RankProcess:
 class PhaseResult:
     phase: Phase
     ranks: list[dict] = field(default_factory=list)       # host, rank, exit code, killed, error
-    iterations: list[dict] = field(default_factory=list)  # every rank's iteration records
+    iterations: list[IterationRecord] = field(default_factory=list)  # every rank's lines
     events: list[dict] = field(default_factory=list)      # every rank's Nezha events
     t_start: float = 0.0
     t_end: float = 0.0
@@ -78,22 +78,6 @@ def _count_lines(path: Path) -> int:
             return sum(1 for _ in f)
     except FileNotFoundError:
         return 0
-
-
-def _read_jsonl(path: Path) -> list[dict]:
-    out = []
-    try:
-        with open(path) as f:
-            for line in f:
-                line = line.strip()
-                if line:
-                    try:
-                        out.append(json.loads(line))
-                    except json.JSONDecodeError:
-                        continue  # a rank killed mid-write leaves half a line
-    except FileNotFoundError:
-        pass
-    return out
 
 
 class WorkloadRunner:
@@ -219,12 +203,12 @@ class WorkloadRunner:
             res.ranks.append({"host": rp.host, "rank": rp.rank, "exit_code": code,
                               "killed": rp.killed, "log": str(rp.log),
                               "error": None if code == 0 else " | ".join(tail)})
-            for rec in _read_jsonl(rp.results):
+            for rec in load_jsonl(rp.results):
                 rec.setdefault("rank", rp.rank)
                 rec.setdefault("system", phase.system)
                 rec["phase"] = index
-                res.iterations.append(rec)
-            for ev in _read_jsonl(rp.events):
+                res.iterations.append(IterationRecord.from_dict(rec))
+            for ev in load_jsonl(rp.events):
                 ev.setdefault("rank", rp.rank)
                 ev["phase"] = index
                 res.events.append(ev)

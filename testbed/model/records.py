@@ -1,0 +1,415 @@
+"""Typed records of what crosses the run boundary: what the run observed (fault records, the ranks'
+iteration lines) and what the analysis made of it (per-fault metrics, the metrics, the verdict).
+
+The run (``testbed.run``) produces ``FaultRecord`` and ``IterationRecord``; the analysis
+(``testbed.analysis``) reads them and produces ``FaultMetrics``, ``Metrics`` and ``Verdict``. Both
+import this module and nothing else of each other, so data flows one way.
+
+JSON conversion lives here and only here: every record has ``to_dict`` (exactly the keys
+results.json, timeline.jsonl and the tests have always used) and ``from_dict`` (tolerant: a rank
+killed mid-write or a hand-written test dict may lack keys). ``jsonable`` turns what is left
+(numpy numbers, non-finite floats, sets) into plain JSON.
+"""
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Iterator, NamedTuple, Optional, Union
+
+import numpy as np
+
+from testbed.model.scenario import SHARE_PREFIX
+
+# fault kinds by what they do to a rail: the analysis and the fault schedule share these
+RAIL_REMOVING = ("link-down", "blackhole", "flap")   # the rail carries nothing while active
+DEGRADING = ("rate", "loss", "delay")                 # the rail carries less while active
+SHAPING = ("rate", "loss", "blackhole", "delay")      # applied as a layer over the link's shape
+
+
+# ------------------------------------------------------------------------------------ JSON
+def jsonable(v: Any) -> Any:
+    """Plain JSON values: numpy numbers to Python, NaN/inf to None, sets and tuples to lists,
+    anything else unknown to its str()."""
+    if isinstance(v, float):
+        return v if math.isfinite(v) else None
+    if isinstance(v, np.floating):
+        return jsonable(float(v))
+    if isinstance(v, np.integer):
+        return int(v)
+    if isinstance(v, np.ndarray):
+        return jsonable(v.tolist())
+    if isinstance(v, dict):
+        return {str(k): jsonable(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple, set)):
+        return [jsonable(x) for x in v]
+    if isinstance(v, (str, int, bool)) or v is None:
+        return v
+    return str(v)
+
+
+def load_jsonl(path: Union[str, Path]) -> list[dict]:
+    """JSON objects, one per line. Blank lines, non-objects and a truncated last line (a rank
+    killed mid-write) are skipped; a missing file gives []. Here rather than in the analysis
+    because the run (collecting the ranks' files) and the analysis (re-reading a results folder)
+    both read these files."""
+    out = []
+    try:
+        with open(path, errors="replace") as f:
+            for line in f:
+                line = line.strip()
+                if not line:
+                    continue
+                try:
+                    obj = json.loads(line)
+                except json.JSONDecodeError:
+                    continue
+                if isinstance(obj, dict):
+                    out.append(obj)
+    except FileNotFoundError:
+        return []
+    return out
+
+
+def is_num(v: Any) -> bool:
+    """A finite int or float (not a bool): what a time or a count must be to be used."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _time(v: Any) -> Optional[float]:
+    """A time as a rank or the fault thread wrote it; anything not a finite number is None."""
+    return float(v) if is_num(v) else None
+
+
+# ------------------------------------------------------------------------------------ faults
+@dataclass
+class Toggle:
+    """One state change of a flapping fault."""
+
+    t: Optional[float]
+    state: str            # "down" | "up"
+
+    def to_dict(self) -> dict:
+        return {"t": self.t, "state": self.state}
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> "Toggle":
+        return cls(d.get("t"), d.get("state", ""))
+
+
+@dataclass
+class FaultRecord:
+    """What the fault schedule did, on the run's monotonic clock.
+
+    ``t_issued``: its first netlink change was issued; ``t_applied``: its last change was
+    acknowledged (a rail-wide fault takes one change per link end); ``t_end``: it was undone
+    (None: never, or not yet)."""
+
+    index: Optional[int]
+    action: str
+    target: str = ""
+    target_kind: Optional[str] = None     # link | rail | host
+    label: Optional[str] = None
+    at: Optional[float] = None            # scheduled offset, s after the run's t0
+    duration: Optional[float] = None      # "for" in the topology file and in results.json
+    t_issued: Optional[float] = None
+    t_applied: Optional[float] = None
+    t_end: Optional[float] = None
+    rails: list[str] = field(default_factory=list)
+    links: list[str] = field(default_factory=list)
+    toggles: list[Toggle] = field(default_factory=list)
+
+    @property
+    def start(self) -> Optional[float]:
+        """When the fault began to take effect: its first change (``t_issued``), else
+        ``t_applied``. See analysis.failover.fault_start for why."""
+        return self.t_issued if is_num(self.t_issued) else self.t_applied
+
+    def to_dict(self) -> dict:
+        return {"index": self.index, "action": self.action, "target": self.target,
+                "target_kind": self.target_kind, "label": self.label, "at": self.at,
+                "for": self.duration, "t_issued": self.t_issued, "t_applied": self.t_applied,
+                "t_end": self.t_end, "rails": list(self.rails), "links": list(self.links),
+                "toggles": [t.to_dict() for t in self.toggles]}
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> "FaultRecord":
+        return cls(index=d.get("index"), action=d.get("action") or "",
+                   target=str(d.get("target", "")), target_kind=d.get("target_kind"),
+                   label=d.get("label"), at=d.get("at"), duration=d.get("for"),
+                   t_issued=d.get("t_issued"), t_applied=d.get("t_applied"),
+                   t_end=d.get("t_end"), rails=list(d.get("rails") or ()),
+                   links=list(d.get("links") or ()),
+                   toggles=[Toggle.from_dict(t) for t in d.get("toggles") or ()])
+
+
+def as_faults(faults: Iterable[Union[FaultRecord, Mapping, None]]) -> list[FaultRecord]:
+    """Fault records, from records or their dicts (tests, a results.json); None is dropped."""
+    return [f if isinstance(f, FaultRecord) else FaultRecord.from_dict(f)
+            for f in faults if f is not None]
+
+
+# ------------------------------------------------------------------------------------ iterations
+@dataclass
+class IterationRecord:
+    """One line a rank wrote to its results file (``NEZHA_RESULTS``), plus where it ran.
+
+    An iteration line has ``iter``; a rank's last line is a summary (``summary: true``); a
+    ``command`` workload may write lines of its own (neither). Times are monotonic seconds;
+    a value that is not a finite number (a garbled line) is None. Keys the analysis does not
+    read are kept in ``extra``."""
+
+    rank: Optional[int] = None
+    iter: Any = None
+    phase: Any = 0
+    system: Optional[str] = None
+    bytes: Any = None
+    t_start: Optional[float] = None
+    t_end: Optional[float] = None
+    ok: Optional[bool] = None             # None: the rank did not check
+    warmup: bool = False
+    summary: bool = False
+    has_iter: bool = False                # the line had an ``iter`` key (an iteration line)
+    extra: dict = field(default_factory=dict)
+
+    _KEYS = ("rank", "iter", "phase", "system", "bytes", "t_start", "t_end", "ok", "warmup",
+             "summary")
+
+    @property
+    def is_iteration(self) -> bool:
+        return self.has_iter and not self.summary
+
+    @property
+    def done(self) -> bool:
+        """Both ends of the collective were recorded."""
+        return self.t_start is not None and self.t_end is not None
+
+    def to_dict(self) -> dict:
+        """The line again (keys the rank did not write, and false flags, left out)."""
+        out = {k: getattr(self, k) for k in self._KEYS
+               if getattr(self, k) is not None and getattr(self, k) is not False}
+        if self.has_iter:
+            out["iter"] = self.iter
+        return {**self.extra, **out}
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> "IterationRecord":
+        return cls(rank=d.get("rank"), iter=d.get("iter"), phase=d.get("phase", 0),
+                   system=d.get("system"), bytes=d.get("bytes"), t_start=_time(d.get("t_start")),
+                   t_end=_time(d.get("t_end")), ok=d.get("ok"), warmup=bool(d.get("warmup")),
+                   summary=bool(d.get("summary")), has_iter="iter" in d,
+                   extra={k: v for k, v in d.items() if k not in cls._KEYS})
+
+
+def as_iterations(recs: Iterable[Union[IterationRecord, Mapping]]) -> list[IterationRecord]:
+    """Iteration records, from records or the dicts a rank wrote."""
+    return [r if isinstance(r, IterationRecord) else IterationRecord.from_dict(r) for r in recs]
+
+
+# ------------------------------------------------------------------------------------ per fault
+@dataclass
+class Detection:
+    """detection_ms of one rail-removing fault, and per rail what Nezha logged first."""
+
+    detection_ms: Optional[float]
+    by_rail: dict[str, dict] = field(default_factory=dict)
+
+
+@dataclass
+class Failover:
+    """failover_ms of one rail-removing fault. The optional fields are reported only when the
+    analysis got that far (None: absent from results.json)."""
+
+    failover_ms: Optional[float] = None
+    note: Optional[str] = None
+    note_pattern: Optional[str] = None
+    natural_gap_ms: Optional[float] = None
+    level_mbps: Optional[float] = None
+    later_dips_ms: Optional[list[float]] = None
+    stalls: Optional[list[dict]] = None
+
+    _OPTIONAL = ("note_pattern", "natural_gap_ms", "level_mbps", "later_dips_ms", "stalls")
+
+    def to_dict(self) -> dict:
+        out: dict[str, Any] = {"failover_ms": self.failover_ms}
+        out.update({k: getattr(self, k) for k in self._OPTIONAL if getattr(self, k) is not None})
+        return out
+
+
+@dataclass
+class Recovery:
+    """recovery_ms after one fault healed, and per rail its pre-fault share and recovery."""
+
+    recovery_ms: Optional[float] = None
+    note: Optional[str] = None
+    by_rail: dict[str, dict] = field(default_factory=dict)
+
+
+@dataclass
+class FaultMetrics:
+    """What the analysis found for one fault (a row of ``detail.faults`` in results.json).
+    ``detection``/``failover`` exist for rail-removing faults, ``recovery`` for healed ones."""
+
+    index: int
+    label: Optional[str]
+    action: str
+    rails: list[str]
+    t_applied_rel: float
+    t_end_rel: Optional[float]
+    detection: Optional[Detection] = None
+    failover: Optional[Failover] = None
+    iteration_stall_ms: Optional[float] = None
+    recovery: Optional[Recovery] = None
+
+    def to_dict(self) -> dict:
+        out: dict[str, Any] = {"index": self.index, "label": self.label, "action": self.action,
+                               "rails": self.rails, "t_applied_rel": self.t_applied_rel,
+                               "t_end_rel": self.t_end_rel}
+        if self.detection is not None:
+            out.update(detection_ms=self.detection.detection_ms,
+                       detection_by_rail=self.detection.by_rail)
+        if self.failover is not None:
+            out.update(self.failover.to_dict(), failover_note=self.failover.note,
+                       iteration_stall_ms=self.iteration_stall_ms)
+        if self.recovery is not None:
+            out.update(recovery_ms=self.recovery.recovery_ms,
+                       recovery_by_rail=self.recovery.by_rail, recovery_note=self.recovery.note)
+        return out
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> "FaultMetrics":
+        det = fo = rec = None
+        if "detection_ms" in d:
+            det = Detection(d["detection_ms"], dict(d.get("detection_by_rail") or {}))
+        if "failover_ms" in d:
+            fo = Failover(d["failover_ms"], d.get("failover_note"),
+                          **{k: d.get(k) for k in Failover._OPTIONAL})
+        if "recovery_ms" in d:
+            rec = Recovery(d["recovery_ms"], d.get("recovery_note"),
+                           dict(d.get("recovery_by_rail") or {}))
+        return cls(d.get("index", 0), d.get("label"), d.get("action") or "",
+                   list(d.get("rails") or ()), d.get("t_applied_rel"), d.get("t_end_rel"),
+                   det, fo, d.get("iteration_stall_ms"), rec)
+
+
+# ------------------------------------------------------------------------------------ metrics
+@dataclass
+class Metrics(Mapping):
+    """The metrics of one run. As a mapping it holds the values only: every name of
+    ``scenario.METRICS``, ``rail_share.<rail>``, ``busbw_vs_single_rail.<size>``; None is
+    "not measured" (the reason is in ``notes``), never a pass. ``faults`` is the per-fault
+    breakdown; ``detail`` the rest (per-rail goodput, per-iteration latency, bus bandwidth by
+    system and size, sampler bookkeeping), JSON-ready."""
+
+    values: dict[str, Any] = field(default_factory=dict)
+    notes: dict[str, str] = field(default_factory=dict)
+    faults: list[FaultMetrics] = field(default_factory=list)
+    detail: dict[str, Any] = field(default_factory=dict)
+
+    def __getitem__(self, key: str) -> Any:
+        return self.values[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.values)
+
+    def __len__(self) -> int:
+        return len(self.values)
+
+    def detail_dict(self) -> dict:
+        """``detail`` with the per-fault rows in it, as results.json has it (after
+        ``windows``, where they have always been)."""
+        faults = [f.to_dict() for f in self.faults]
+        out: dict[str, Any] = {}
+        for k, v in self.detail.items():
+            out[k] = v
+            if k == "windows":
+                out["faults"] = faults
+        out.setdefault("faults", faults)
+        return out
+
+    def to_dict(self) -> dict:
+        """The three parts results.json keeps apart: metrics, notes, detail."""
+        return {"metrics": dict(self.values), "notes": dict(self.notes),
+                "detail": self.detail_dict()}
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> "Metrics":
+        detail = dict(d.get("detail") or {})
+        faults = [FaultMetrics.from_dict(f) for f in detail.get("faults") or ()]
+        return cls(dict(d.get("metrics") or {}), dict(d.get("notes") or {}), faults, detail)
+
+
+# ------------------------------------------------------------------------------------ verdict
+UNITS = {"failover_ms": "ms", "detection_ms": "ms", "recovery_ms": "ms", "busbw_mbps": "Mbit/s"}
+
+
+def format_value(metric: str, value: Any) -> str:
+    """A measured value for people: units for times and rates, 3 decimals for ratios."""
+    if value is None:
+        return "not measured"
+    if isinstance(value, bool):
+        return str(value)
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            return str(value)
+        unit = UNITS.get(metric)
+        if unit == "ms":
+            return f"{value:.1f} ms"
+        if unit:
+            return f"{value:.1f} {unit}"
+        if metric.startswith(SHARE_PREFIX) or metric.startswith("busbw_vs"):
+            return f"{value:.3f}"
+        return f"{value:g}"
+    return str(value)
+
+
+class Row(NamedTuple):
+    metric: str
+    expected: str        # the bound, as written ("<= 200", "0", "0.4..0.6")
+    measured: Any        # the value (None: not measured)
+    ok: bool
+    note: str            # "" | "not measured: ..." | caveat from the metrics
+
+    @property
+    def status(self) -> str:
+        return "PASS" if self.ok else "FAIL"
+
+
+@dataclass
+class Verdict:
+    """Every expectation held against the metrics; passed only if every row is ok."""
+
+    rows: list[Row] = field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        return all(r.ok for r in self.rows)
+
+    @property
+    def failures(self) -> list[str]:
+        """One line per failed expectation naming metric, bound and value."""
+        out = []
+        for r in self.rows:
+            if r.ok:
+                continue
+            line = f"{r.metric}: measured {format_value(r.metric, r.measured)}, " \
+                   f"expected {r.expected}"
+            if r.note:
+                line += f" ({r.note})"
+            out.append(line)
+        return out
+
+    def to_dict(self) -> dict:
+        return {"passed": self.passed,
+                "rows": [{"metric": r.metric, "expected": r.expected, "measured": r.measured,
+                          "ok": r.ok, "status": r.status, "note": r.note} for r in self.rows],
+                "failures": self.failures}
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> "Verdict":
+        return cls([Row(r["metric"], r["expected"], r["measured"], bool(r["ok"]),
+                        r.get("note") or "") for r in d.get("rows") or ()])
