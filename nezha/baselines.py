@@ -8,11 +8,13 @@ import os
 from datetime import timedelta
 
 
-from .context import Context, as_array, parse_master, SYSTEMS as NEZHA_SYSTEMS
+from .buffers import as_array, written_back
+from .config import Config
+from .context import Context
 from .errors import ConfigError
+from .kinds import ALL_SYSTEMS as SYSTEMS, SYSTEMS as NEZHA_SYSTEMS
 from .rails import parse_rails
-
-SYSTEMS = NEZHA_SYSTEMS + ("gloo",)
+from .rendezvous import parse_master
 
 
 def iface_of(addr: str) -> str | None:
@@ -36,21 +38,22 @@ class GlooContext:
     system = "gloo"
 
     def __init__(self, rank=None, world_size=None, rails=None, master=None, *, timeout=30.0,
-                 events=None, **_):
+                 events=None, config: Config | None = None, **_):
+        cfg = config if config is not None else Config.from_env()
         try:
             import torch
             import torch.distributed as dist
         except ImportError as e:
             raise ConfigError("system 'gloo' needs torch (pip install 'nezha-testbed[torch]')") from e
         self.torch, self.dist = torch, dist
-        self.rank = int(rank if rank is not None else os.environ.get("NEZHA_RANK", -1))
-        self.world_size = int(world_size if world_size is not None else os.environ.get("NEZHA_WORLD_SIZE", 0))
-        self.rail_addrs = parse_rails(rails if rails is not None else os.environ.get("NEZHA_RAILS"))[:1]
+        self.rank = int(_first(rank, cfg.rank, -1))
+        self.world_size = int(_first(world_size, cfg.world_size, 0))
+        self.rail_addrs = parse_rails(_first(rails, cfg.rails))[:1]
         self.nrails = 1
         ifname = iface_of(self.rail_addrs[0])
         if ifname:
             os.environ["GLOO_SOCKET_IFNAME"] = ifname
-        host, port = parse_master(master)
+        host, port = parse_master(master, cfg)
         dist.init_process_group("gloo", init_method=f"tcp://{host}:{port}", rank=self.rank,
                                 world_size=self.world_size, timeout=timedelta(seconds=timeout))
         self._ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX,
@@ -63,24 +66,18 @@ class GlooContext:
     def allreduce(self, buf, op="sum", dtype=None):
         t, wb = self._t(buf, dtype)
         self.dist.all_reduce(t, op=self._ops[op])
-        if wb:
-            wb()
-        return buf
+        return written_back(buf, wb)
 
     def broadcast(self, buf, root=0, dtype=None):
         t, wb = self._t(buf, dtype)
         self.dist.broadcast(t, src=root)
-        if wb:
-            wb()
-        return buf
+        return written_back(buf, wb)
 
     def allgather(self, inbuf, outbuf, dtype=None):
         t, _ = self._t(inbuf, dtype)
         o, wb = self._t(outbuf, dtype)
         self.dist.all_gather(list(o.chunk(self.world_size)), t)
-        if wb:
-            wb()
-        return outbuf
+        return written_back(outbuf, wb)
 
     def reduce_scatter(self, inbuf, outbuf, op="sum", dtype=None):
         t, _ = self._t(inbuf, dtype)
@@ -89,9 +86,7 @@ class GlooContext:
             self.dist.reduce_scatter(o, list(t.clone().chunk(self.world_size)), op=self._ops[op])
         except RuntimeError as e:
             raise ConfigError(f"reduce_scatter is not available with torch gloo: {e}") from e
-        if wb:
-            wb()
-        return outbuf
+        return written_back(outbuf, wb)
 
     def barrier(self):
         self.dist.barrier()
@@ -113,8 +108,15 @@ class GlooContext:
         self.close()
 
 
+def _first(*values):
+    """The first value that is not None (an argument, then the config, then a default)."""
+    return next((v for v in values if v is not None), None)
+
+
 def make_context(system: str | None = None, **kw):
-    system = system or os.environ.get("NEZHA_SYSTEM", "nezha")
+    """A Context for ``system`` (NEZHA_SYSTEM by default), or a GlooContext for "gloo"."""
+    kw["config"] = cfg = kw.get("config") or Config.from_env()
+    system = system or cfg.system
     if system == "gloo":
         kw.pop("store", None)
         kw.pop("group", None)

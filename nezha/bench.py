@@ -22,9 +22,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
+from dataclasses import dataclass, replace
+from typing import Optional
 
 import numpy as np
 
@@ -49,80 +50,104 @@ def iters_for(size, target_bytes, lo, hi):
     return int(max(lo, min(hi, target_bytes // max(size, 1))))
 
 
-def bench_rank(rank, world, master, rails, systems, sizes, target_bytes=256 << 20, min_iters=3,
-               max_iters=200, warmup=6, timeout=60.0, dtype="float32", events=None):
+@dataclass(frozen=True)
+class BenchPlan:
+    """What to measure: the same on every rank."""
+    systems: tuple
+    sizes: tuple
+    target_bytes: int = 256 << 20     # bytes moved per size (sets the iterations)
+    min_iters: int = 3
+    max_iters: int = 200
+    warmup: int = 6
+    timeout: float = 60.0
+    dtype: str = "float32"
+    events: Optional[str] = None
+
+
+def bench_rank(rank, world, master, rails, plan: BenchPlan) -> dict:
+    """One rank's part: every system in turn, every size; rank 0 serves the store."""
     from .baselines import make_context
     from .store import StoreClient, StoreServer
     host, _, port = master.rpartition(":")
     port = int(port)
     server = StoreServer("0.0.0.0", port) if rank == 0 else None
-    store = StoreClient(host, port, timeout=timeout)
+    store = StoreClient(host, port, timeout=plan.timeout)
     results, errors = {}, {}
     try:
-        for si, system in enumerate(systems):
-            rows = []
+        for si, system in enumerate(plan.systems):
             try:
-                kw = dict(rank=rank, world_size=world, rails=rails, timeout=timeout)
+                kw = dict(rank=rank, world_size=world, rails=rails, timeout=plan.timeout)
                 if system == "gloo":
                     kw["master"] = f"{host}:{port + 1 + si}"
                 else:
-                    kw.update(store=store, group=f"bench/{system}/{si}", events=events)
+                    kw.update(store=store, group=f"bench/{system}/{si}", events=plan.events)
                 ctx = make_context(system, **kw)
             except Exception as e:
                 errors[system] = f"{type(e).__name__}: {e}"
                 store.set(f"bench/{system}/{si}/failed/{rank}", "1")
                 continue
+            rows = []
             try:
-                for size in sizes:
-                    count = max(1, size // np.dtype(dtype).itemsize)
-                    buf = np.zeros(count, dtype=dtype)
-                    for _ in range(warmup):
-                        ctx.allreduce(buf)
-                    iters = iters_for(size, target_bytes, min_iters, max_iters)
-                    ctx.barrier()
-                    rb0 = ctx.rail_bytes()
-                    t0 = time.monotonic()
-                    per = []
-                    for _ in range(iters):
-                        t1 = time.monotonic()
-                        ctx.allreduce(buf)
-                        per.append(time.monotonic() - t1)
-                    lat = (time.monotonic() - t0) / iters
-                    rb1 = ctx.rail_bytes()
-                    d = [rb1[k] - rb0.get(k, 0) for k in sorted(rb1, key=int)]
-                    tot = sum(d) or 1
-                    algbw = buf.nbytes / lat
-                    st = ctx.stats()
-                    rows.append({"size": buf.nbytes, "iters": iters, "latency_s": lat,
-                                 "latency_p50_s": float(np.median(per)),
-                                 "algbw_Bps": algbw,
-                                 "busbw_Bps": algbw * 2 * (world - 1) / world if world > 1 else algbw,
-                                 "rail_shares": [x / tot for x in d], "state": st.get("state")})
+                for size in plan.sizes:
+                    rows.append(_measure(ctx, size, plan, world))
             except Exception as e:
                 errors[system] = f"{type(e).__name__}: {e}"
             finally:
                 ctx.close()
             results[system] = rows
-        try:
-            store.set(f"bench/done/{rank}", "1")
-        except Exception:
-            if rank == 0:
-                raise       # others: rank 0 may close the store the moment our key lands
-        if rank == 0:   # keep serving the store until every rank is through
-            store.wait([f"bench/done/{r}" for r in range(world)], timeout)
-            time.sleep(0.2)
+        _finish(store, rank, world, plan.timeout)
     finally:
         store.close()
         if server is not None:
             server.close()
     return {"world": world, "nrails": len(rails.split(",")) if isinstance(rails, str) else len(rails),
-            "sizes": sizes, "systems": systems, "results": results, "errors": errors}
+            "sizes": list(plan.sizes), "systems": list(plan.systems), "results": results,
+            "errors": errors}
 
 
-def _local_rank(rank, world, port, **kw):
+def _measure(ctx, size: int, plan: BenchPlan, world: int) -> dict:
+    """One row: warm up, then time ``iters`` allreduces of ``size`` bytes."""
+    count = max(1, size // np.dtype(plan.dtype).itemsize)
+    buf = np.zeros(count, dtype=plan.dtype)
+    for _ in range(plan.warmup):
+        ctx.allreduce(buf)
+    iters = iters_for(size, plan.target_bytes, plan.min_iters, plan.max_iters)
+    ctx.barrier()
+    rb0 = ctx.rail_bytes()
+    t0 = time.monotonic()
+    per = []
+    for _ in range(iters):
+        t1 = time.monotonic()
+        ctx.allreduce(buf)
+        per.append(time.monotonic() - t1)
+    lat = (time.monotonic() - t0) / iters
+    rb1 = ctx.rail_bytes()
+    d = [rb1[k] - rb0.get(k, 0) for k in sorted(rb1, key=int)]
+    tot = sum(d) or 1
+    algbw = buf.nbytes / lat
+    st = ctx.stats()
+    return {"size": buf.nbytes, "iters": iters, "latency_s": lat,
+            "latency_p50_s": float(np.median(per)),
+            "algbw_Bps": algbw,
+            "busbw_Bps": algbw * 2 * (world - 1) / world if world > 1 else algbw,
+            "rail_shares": [x / tot for x in d], "state": st.get("state")}
+
+
+def _finish(store, rank: int, world: int, timeout: float) -> None:
+    """Say we are through; rank 0 keeps serving the store until every rank is."""
+    try:
+        store.set(f"bench/done/{rank}", "1")
+    except Exception:
+        if rank == 0:
+            raise       # others: rank 0 may close the store the moment our key lands
+    if rank == 0:
+        store.wait([f"bench/done/{r}" for r in range(world)], timeout)
+        time.sleep(0.2)
+
+
+def _local_rank(rank, world, port, nrails: int, plan: BenchPlan):
     from .testing import loopback_rails
-    kw["timeout"] = kw.pop("ctx_timeout")
-    return bench_rank(rank, world, f"127.0.0.1:{port}", loopback_rails(kw.pop("nrails")), **kw)
+    return bench_rank(rank, world, f"127.0.0.1:{port}", loopback_rails(nrails), plan)
 
 
 def table(res) -> str:
@@ -145,13 +170,15 @@ def table(res) -> str:
 
 
 def main(argv=None):
+    from .config import Config, Workload
+    cfg, wl = Config.from_env(), Workload.from_env()
     p = argparse.ArgumentParser(prog="python -m nezha.bench", description=__doc__.split("\n")[0])
     p.add_argument("--local", type=int, help="spawn this many local ranks on loopback rails")
     p.add_argument("--nrails", type=int, default=2, help="loopback rails with --local")
-    p.add_argument("--rank", type=int, default=os.environ.get("NEZHA_RANK"))
-    p.add_argument("--world-size", type=int, default=os.environ.get("NEZHA_WORLD_SIZE"))
-    p.add_argument("--rails", default=os.environ.get("NEZHA_RAILS"))
-    p.add_argument("--master", default=os.environ.get("NEZHA_MASTER"))
+    p.add_argument("--rank", type=int, default=cfg.rank)
+    p.add_argument("--world-size", type=int, default=cfg.world_size)
+    p.add_argument("--rails", default=cfg.rails)
+    p.add_argument("--master", default=wl.master)
     p.add_argument("--systems", default="nezha,single,stripe")
     p.add_argument("--sizes", default="4K:64M")
     p.add_argument("--target-bytes", default="256M", help="bytes moved per size (sets iterations)")
@@ -159,16 +186,15 @@ def main(argv=None):
     p.add_argument("--max-iters", type=int, default=200)
     p.add_argument("--warmup", type=int, default=6)
     p.add_argument("--timeout", type=float, default=60.0)
-    p.add_argument("--events", default=os.environ.get("NEZHA_EVENT_LOG"))
+    p.add_argument("--events", default=cfg.event_log)
     p.add_argument("--out")
     a = p.parse_args(argv)
-    kw = dict(systems=a.systems.split(","), sizes=size_list(a.sizes),
-              target_bytes=parse_size(a.target_bytes), min_iters=a.min_iters,
-              max_iters=a.max_iters, warmup=a.warmup)
+    plan = BenchPlan(systems=tuple(a.systems.split(",")), sizes=tuple(size_list(a.sizes)),
+                     target_bytes=parse_size(a.target_bytes), min_iters=a.min_iters,
+                     max_iters=a.max_iters, warmup=a.warmup, timeout=a.timeout)
     if a.local:
         from .testing import run_ranks
-        out = run_ranks(_local_rank, a.local, timeout=3600, nrails=a.nrails,
-                        ctx_timeout=a.timeout, **kw)
+        out = run_ranks(_local_rank, a.local, timeout=3600, nrails=a.nrails, plan=plan)
         ok, res = out[0]
         if not ok:
             print(f"nezha.bench: rank 0 failed: {res}", file=sys.stderr)
@@ -176,8 +202,7 @@ def main(argv=None):
     else:
         if None in (a.rank, a.world_size, a.rails, a.master):
             p.error("give --local N, or --rank --world-size --rails --master")
-        res = bench_rank(a.rank, a.world_size, a.master, a.rails, events=a.events,
-                         timeout=a.timeout, **kw)
+        res = bench_rank(a.rank, a.world_size, a.master, a.rails, replace(plan, events=a.events))
     text = json.dumps(res, indent=1)
     if a.out:
         with open(a.out, "w") as f:

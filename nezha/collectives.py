@@ -10,6 +10,9 @@ step 0..n-2 per message; broadcast is a star (step 0) for small messages and a p
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any, Optional
+
 import numpy as np
 
 from . import wire
@@ -29,94 +32,130 @@ def byteview(arr: np.ndarray) -> memoryview:
     return memoryview(arr.reshape(-1).view(np.uint8))
 
 
-PIPE_BLOCK = int(__import__("os").environ.get("NEZHA_PIPE_BLOCK", 2 << 20))
+PIPE_BLOCK = 2 << 20      # default of NEZHA_PIPE_BLOCK (config.py)
 MAX_BLOCKS = 16
 
 
-def nblocks(count: int, n: int, esz: int) -> int:
+@dataclass(frozen=True)
+class Call:
+    """One collective call as the algorithms see it: the engine that carries its messages,
+    its sequence number, and the pipeline block size (equal on every rank: it sets the
+    step ids)."""
+    eng: Any
+    op_id: int
+    pipe_block: int = PIPE_BLOCK
+    deadline: Optional[float] = None
+
+
+def nblocks(count: int, n: int, esz: int, pipe_block: int = PIPE_BLOCK) -> int:
     """Pipeline depth: every segment is cut into this many blocks (same on all ranks)."""
     seg_bytes = -(-count // n) * esz
-    return max(1, min(MAX_BLOCKS, seg_bytes // PIPE_BLOCK))
+    return max(1, min(MAX_BLOCKS, seg_bytes // pipe_block))
 
 
-def ring_allreduce(eng, op_id, arr, redop, kind=wire.K_ALLREDUCE, shift=0, rs_only=False,
-                   deadline=None):
-    """In place on ``arr`` (1-D). With rs_only, stops after reduce-scatter; rank r then owns
-    segment (r + 1 + shift) mod n. Returns the owned segment index.
+def ring_allreduce(call: Call, arr, redop, kind=wire.K_ALLREDUCE) -> None:
+    """In place on ``arr`` (1-D): every rank ends with the reduction of all ranks' arrays.
 
     Pipelined: each segment is cut into B blocks (``nblocks``); block b of a step is
     forwarded as soon as it has arrived and been reduced, so the rails never wait for a
     whole step. Message step ids: reduce-scatter step k block b -> k*B + b, allgather
     step k block b -> (n-1)*B + k*B + b."""
-    n, r = eng.world, eng.rank
-    owned = (r + 1 + shift) % n
-    if n == 1:
-        return owned
-    right, left = (r + 1) % n, (r - 1) % n
-    esz = arr.dtype.itemsize
-    bd = bounds(len(arr), n)
-    B = nblocks(len(arr), n, esz)
-    scratch = np.empty_like(arr)
-    bv, sv = byteview(arr), byteview(scratch)
-    dtc = wire.DTYPE_CODES[arr.dtype.name]
-    rc = wire.REDOP_CODES[redop]
-    op_total = arr.nbytes
-    uf = UFUNCS[redop]
-    sub = [[bd[j] + x for x in bounds(bd[j + 1] - bd[j], B)] for j in range(n)]
+    if call.eng.world > 1:
+        _Ring(call, arr, redop, kind, shift=0, rs_only=False).run()
 
-    def elems(j, b):
-        return sub[j][b], sub[j][b + 1]
 
-    def bytes_(j, b):
-        return sub[j][b] * esz, sub[j][b + 1] * esz
+def ring_reduce_scatter(call: Call, arr, redop) -> int:
+    """The reduce-scatter half of ring_allreduce, in place on ``arr``: rank r then owns the
+    reduction of segment r (its neighbours' copies are partial). Returns r."""
+    if call.eng.world > 1:
+        _Ring(call, arr, redop, wire.K_REDUCE_SCATTER, shift=-1, rs_only=True).run()
+    return call.eng.rank
 
-    ag0 = (n - 1) * B
-    rs_slots, ag_slots = {}, {}
-    for k in range(n - 1):
-        j = (r - k - 1 + shift) % n
+
+class _Ring:
+    """The plan of one ring allreduce / reduce-scatter: segment j of the buffer goes round
+    the ring in B blocks; rank r owns segment (r + 1 + shift) mod n after reduce-scatter."""
+
+    def __init__(self, call: Call, arr, redop, kind, shift: int, rs_only: bool):
+        eng = call.eng
+        n, r = eng.world, eng.rank
+        self.call, self.eng, self.arr, self.n, self.r = call, eng, arr, n, r
+        self.shift, self.rs_only, self.kind = shift, rs_only, kind
+        self.owned = (r + 1 + shift) % n
+        self.right, self.left = (r + 1) % n, (r - 1) % n
+        self.esz = arr.dtype.itemsize
+        bd = bounds(len(arr), n)
+        self.B = nblocks(len(arr), n, self.esz, call.pipe_block)
+        self.scratch = np.empty_like(arr)
+        self.bv, self.sv = byteview(arr), byteview(self.scratch)
+        self.dtc = wire.DTYPE_CODES[arr.dtype.name]
+        self.rc = wire.REDOP_CODES[redop]
+        self.uf = UFUNCS[redop]
+        self.sub = [[bd[j] + x for x in bounds(bd[j + 1] - bd[j], self.B)] for j in range(n)]
+        self.ag0 = (n - 1) * self.B       # first allgather step id
+        self.sends: list = []
+
+    def elems(self, j, b):
+        return self.sub[j][b], self.sub[j][b + 1]
+
+    def bytes_(self, j, b):
+        return self.sub[j][b] * self.esz, self.sub[j][b + 1] * self.esz
+
+    def rs_segment(self, k):
+        """Segment received (and reduced) in reduce-scatter step k."""
+        return (self.r - k - 1 + self.shift) % self.n
+
+    def ag_segment(self, k):
+        """Segment received in allgather step k."""
+        return (self.owned - k - 1) % self.n
+
+    def post(self, step0, segment, view):
+        """Receives for every block of every step, before the first send (engine rule)."""
+        slots = {}
+        for k in range(self.n - 1):
+            for b in range(self.B):
+                lo, hi = self.bytes_(segment(k), b)
+                slots[k, b] = self.eng.post_recv(self.call.op_id, step0 + k * self.B + b,
+                                                 self.left, view[lo:hi], self.kind, self.dtc,
+                                                 self.rc, self.arr.nbytes)
+        return slots
+
+    def send(self, step, j, b):
+        lo, hi = self.bytes_(j, b)
+        self.sends.append(self.eng.send(self.right, self.call.op_id, step, self.bv[lo:hi],
+                                        self.kind, self.dtc, self.rc, self.arr.nbytes,
+                                        elem=self.esz))
+
+    def run(self) -> None:
+        n, B, arr, scratch, dl = self.n, self.B, self.arr, self.scratch, self.call.deadline
+        rs_slots = self.post(0, self.rs_segment, self.sv)
+        ag_slots = {} if self.rs_only else self.post(self.ag0, self.ag_segment, self.bv)
+        self.eng.posted(self.call.op_id)
         for b in range(B):
-            lo, hi = bytes_(j, b)
-            rs_slots[k, b] = eng.post_recv(op_id, k * B + b, left, sv[lo:hi], kind, dtc, rc, op_total)
-    if not rs_only:
+            self.send(b, (self.r + self.shift) % n, b)
         for k in range(n - 1):
-            j = (owned - k - 1) % n
+            j = self.rs_segment(k)
             for b in range(B):
-                lo, hi = bytes_(j, b)
-                ag_slots[k, b] = eng.post_recv(op_id, ag0 + k * B + b, left, bv[lo:hi], kind, dtc,
-                                               rc, op_total)
-    eng.posted(op_id)
-    sends = []
-
-    def send(step, j, b):
-        lo, hi = bytes_(j, b)
-        sends.append(eng.send(right, op_id, step, bv[lo:hi], kind, dtc, rc, op_total, elem=esz))
-
-    for b in range(B):
-        send(b, (r + shift) % n, b)
-    for k in range(n - 1):
-        j = (r - k - 1 + shift) % n
-        for b in range(B):
-            eng.wait_recv(rs_slots[k, b], deadline)
-            a, e = elems(j, b)
-            if e > a:
-                uf(arr[a:e], scratch[a:e], out=arr[a:e])
-            if k < n - 2:
-                send((k + 1) * B + b, j, b)
-            elif not rs_only:
-                send(ag0 + b, j, b)          # j is the owned segment: start the allgather
-    if not rs_only:
-        for k in range(n - 1):
-            j = (owned - k - 1) % n
-            for b in range(B):
-                eng.wait_recv(ag_slots[k, b], deadline)
+                self.eng.wait_recv(rs_slots[k, b], dl)
+                a, e = self.elems(j, b)
+                if e > a:
+                    self.uf(arr[a:e], scratch[a:e], out=arr[a:e])
                 if k < n - 2:
-                    send(ag0 + (k + 1) * B + b, j, b)
-    eng.wait_sent(sends, deadline)
-    return owned
+                    self.send((k + 1) * B + b, j, b)
+                elif not self.rs_only:
+                    self.send(self.ag0 + b, j, b)      # j is the owned segment: start the allgather
+        for k in range(n - 1 if not self.rs_only else 0):
+            j = self.ag_segment(k)
+            for b in range(B):
+                self.eng.wait_recv(ag_slots[k, b], dl)
+                if k < n - 2:
+                    self.send(self.ag0 + (k + 1) * B + b, j, b)
+        self.eng.wait_sent(self.sends, dl)
 
 
-def ring_allgather(eng, op_id, out, count, kind=wire.K_ALLGATHER, deadline=None):
+def ring_allgather(call: Call, out, count, kind=wire.K_ALLGATHER) -> None:
     """``out`` holds n segments of ``count`` elements; this rank's is already in place."""
+    eng, op_id, deadline = call.eng, call.op_id, call.deadline
     n, r = eng.world, eng.rank
     if n == 1:
         return
@@ -146,19 +185,20 @@ BCAST_CHAIN_MIN = 256 << 10   # from this size on (and 3+ ranks) broadcast is a 
 BCAST_BLOCK = 512 << 10
 
 
-def broadcast(eng, op_id, arr, root, deadline=None):
+def broadcast(call: Call, arr, root) -> None:
     """Small messages: a star (one hop from the root). Large ones: a pipelined chain, since a
     star sends the message n-1 times over the root's rails while a chain sends it once over
     every host's."""
-    if eng.world > 2 and arr.nbytes >= BCAST_CHAIN_MIN:
-        chain_broadcast(eng, op_id, arr, root, deadline=deadline)
+    if call.eng.world > 2 and arr.nbytes >= BCAST_CHAIN_MIN:
+        chain_broadcast(call, arr, root)
     else:
-        star_broadcast(eng, op_id, arr, root, deadline=deadline)
+        star_broadcast(call, arr, root)
 
 
-def chain_broadcast(eng, op_id, arr, root, kind=wire.K_BROADCAST, deadline=None):
+def chain_broadcast(call: Call, arr, root, kind=wire.K_BROADCAST) -> None:
     """root -> root+1 -> ... -> root-1, in blocks: a rank forwards block b as soon as it has
     arrived, so all links work at once and the time tends to size / (rails' rate)."""
+    eng, op_id, deadline = call.eng, call.op_id, call.deadline
     n, r = eng.world, eng.rank
     if n == 1:
         return
@@ -186,7 +226,8 @@ def chain_broadcast(eng, op_id, arr, root, kind=wire.K_BROADCAST, deadline=None)
     eng.wait_sent(sends, deadline)
 
 
-def star_broadcast(eng, op_id, arr, root, kind=wire.K_BROADCAST, deadline=None):
+def star_broadcast(call: Call, arr, root, kind=wire.K_BROADCAST) -> None:
+    eng, op_id, deadline = call.eng, call.op_id, call.deadline
     n, r = eng.world, eng.rank
     if n == 1:
         return

@@ -49,6 +49,9 @@ class RailCounters:
 
 
 class Events:
+    """Counters and the event log of one rank; ``path`` None: no log (the Context passes
+    NEZHA_EVENT_LOG's value from the config)."""
+
     def __init__(self, rank: int, nrails: int, path: str | None = None, log_ops: bool = False):
         self.rank = rank
         self.rails = [RailCounters() for _ in range(nrails)]
@@ -58,7 +61,6 @@ class Events:
         self.log_ops = log_ops
         self._lock = threading.Lock()
         self._fh = None
-        path = path if path is not None else os.environ.get("NEZHA_EVENT_LOG")
         if path:
             d = os.path.dirname(path)
             if d:

@@ -21,6 +21,8 @@
    received nothing for HEARTBEAT_TIMEOUT is failed.
 4. Link events (optional, pyroute2): a rail interface going down fails its connections.
 5. TCP_USER_TIMEOUT on every socket (NEZHA_TCP_USER_TIMEOUT_MS) bounds kernel retries.
+WATCHDOG_MIN, CHECK_TIMEOUT, HEARTBEAT_INTERVAL and HEARTBEAT_TIMEOUT come from the config
+(NEZHA_WATCHDOG_MS, NEZHA_CHECK_TIMEOUT_MS, NEZHA_HEARTBEAT_MS, NEZHA_HEARTBEAT_TIMEOUT_MS).
 
 A failed connection's unacknowledged chunks move to the surviving rails (engine.rail_failed)
 and every rank is told (CONTROL "down"): all stop using that rail for data, the split
@@ -31,23 +33,19 @@ Events: rail_check, rail_alive, rail_suspected, rail_down, rerouted, rail_agreed
 """
 from __future__ import annotations
 
-import os
 import socket
 import struct
 import threading
 import time
-from typing import NamedTuple, Optional
+from typing import Callable, NamedTuple, Optional, Sequence
 
 from . import wire
+from .config import Config
 from .errors import CommError
 
-WATCHDOG_MIN = float(os.environ.get("NEZHA_WATCHDOG_MS", 60)) / 1e3
-CHECK_TIMEOUT = float(os.environ.get("NEZHA_CHECK_TIMEOUT_MS", 100)) / 1e3
 CHECK_MEMORY = 2.0     # s a peer's "bytes arrive" answer widens later questions (see check)
 WATCHDOG_FACTOR = 4.0
 WATCHDOG_NOMINAL_BPS = 12.5e6   # assumed rail speed (100 Mbit/s) before anything is measured
-HEARTBEAT_INTERVAL = float(os.environ.get("NEZHA_HEARTBEAT_MS", 100)) / 1e3
-HEARTBEAT_TIMEOUT = float(os.environ.get("NEZHA_HEARTBEAT_TIMEOUT_MS", 1500)) / 1e3
 PROBE_MIN, PROBE_MAX = 0.1, 1.0
 RTO_FACTOR = 1.25
 TICK = 0.01
@@ -88,9 +86,21 @@ class RailStalled(CommError):
 
 
 class Health:
-    def __init__(self, ctx):
-        self.ctx = ctx
-        self.eng = ctx._engine
+    """Watches one rank's connections. Given what it works with: the engine (connections,
+    estimates, events, CONTROL), ``rejoin(peer, rail)`` which reconnects a failed rail to a
+    lower rank (raises while it is still broken), the rail addresses (for link events) and
+    the config (timings)."""
+
+    def __init__(self, eng, rejoin: Callable[[int, int], None], rail_addrs: Sequence[str],
+                 config: Config = Config()):
+        self.eng = eng
+        self.rejoin = rejoin
+        self.rail_addrs = list(rail_addrs)
+        self.watchdog_min = config.watchdog_ms / 1e3
+        self.check_timeout = config.check_timeout_ms / 1e3
+        self.heartbeat_interval = config.heartbeat_ms / 1e3
+        self.heartbeat_timeout = config.heartbeat_timeout_ms / 1e3
+        self.link_events = config.link_events
         self.stop = threading.Event()
         self.backoff: dict = {}
         self.next_probe: dict = {}
@@ -121,7 +131,7 @@ class Health:
         bal = self.eng.balancer
         est = bal.est[rail]
         b = est.b if est.b == est.b else 1.0 / WATCHDOG_NOMINAL_BPS
-        return max(WATCHDOG_MIN, WATCHDOG_FACTOR * (est.a + (64 << 10) * b))
+        return max(self.watchdog_min, WATCHDOG_FACTOR * (est.a + (64 << 10) * b))
 
     def run(self):
         eng = self.eng
@@ -162,12 +172,12 @@ class Health:
                         self.check(conn, now, now - since, limit, ti)
                         continue
                     conn.check_id = None
-                if now - conn.last_rx > HEARTBEAT_TIMEOUT:
+                if now - conn.last_rx > self.heartbeat_timeout:
                     self.suspect(conn, f"nothing received for {(now - conn.last_rx) * 1e3:.0f} ms")
                     continue
-                if now - conn.last_tx > HEARTBEAT_INTERVAL and conn.q.empty():
+                if now - conn.last_tx > self.heartbeat_interval and conn.q.empty():
                     conn.last_tx = now
-                    conn.put(wire.pack(wire.HEARTBEAT, 0, 0, 0, rail, eng.rank, 0, 0, 0, 0, 0, 0, 0, 0))
+                    conn.put(wire.Header(wire.HEARTBEAT, rail=rail, src=eng.rank).pack())
 
     def probe_loop(self):
         while not self.stop.wait(0.02):
@@ -186,10 +196,10 @@ class Health:
         why = (f"no progress for {stalled * 1e3:.0f} ms with {conn.unacked} chunks outstanding "
                f"(limit {limit * 1e3:.0f} ms)")
         if conn.check_id is not None:
-            if now - conn.check_t > CHECK_TIMEOUT:
+            if now - conn.check_t > self.check_timeout:
                 conn.check_id = None
                 self.suspect(conn, why + f"; rank {conn.peer} did not say within "
-                                         f"{CHECK_TIMEOUT * 1e3:.0f} ms whether bytes arrive")
+                                         f"{self.check_timeout * 1e3:.0f} ms whether bytes arrive")
             return
         others = [r for r in self.eng.live_rails(conn.peer, data=False) if r != conn.rail]
         if not others:
@@ -237,7 +247,7 @@ class Health:
 
     # ---------------------------------------------------------------- re-probe / rejoin
     def probe(self, now):
-        eng, ctx = self.eng, self.ctx
+        eng = self.eng
         for (peer, rail) in list(eng.dead):
             if peer >= eng.rank or peer in eng.gone:
                 continue   # the higher rank of a pair reconnects
@@ -249,7 +259,7 @@ class Health:
             self.next_probe[key] = now + delay
             eng.events.emit("probe", peer=peer, rail=rail, next_in=delay)
             try:
-                ctx._rejoin(peer, rail)
+                self.rejoin(peer, rail)
             except Exception as e:   # still broken: try again later
                 eng.events.emit("probe", peer=peer, rail=rail, ok=False, error=str(e)[:200])
                 continue
@@ -258,13 +268,13 @@ class Health:
 
     # ---------------------------------------------------------------- link events
     def _start_link_monitor(self):
-        if os.environ.get("NEZHA_LINK_EVENTS", "1") == "0":
+        if not self.link_events:
             return
         try:
             from pyroute2 import IPRoute
         except ImportError:
             return
-        addrs = self.ctx.rail_addrs
+        addrs = self.rail_addrs
         try:
             index = {}
             with IPRoute() as q:

@@ -51,9 +51,10 @@ the engine then checks the frame against the posted receive (sizes, collective, 
 """
 from __future__ import annotations
 
+import operator
 import struct
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from .errors import ProtocolError
 
@@ -103,9 +104,9 @@ class Header:
     op_total: int = 0
 
     def pack(self) -> bytes:
-        return pack(self.type, self.kind, self.dtype, self.redop, self.rail, self.src,
-                    self.aux, self.op_id, self.step, self.chunk, self.offset, self.length,
-                    self.msg_total, self.op_total)
+        """The 64 bytes on the wire (CRC included)."""
+        body = _BODY.pack(MAGIC, VERSION, *_field_values(self))
+        return body + _CRC.pack(zlib.crc32(body))
 
     def describe(self) -> str:
         return (f"{TYPE_NAMES.get(self.type, self.type)} src={self.src} rail={self.rail} "
@@ -113,11 +114,18 @@ class Header:
                 f"len={self.length} total={self.msg_total}")
 
 
-def pack(type_, kind, dtype, redop, rail, src, aux, op_id, step, chunk, offset, length,
-         msg_total, op_total) -> bytes:
-    body = _BODY.pack(MAGIC, VERSION, type_, kind, dtype, redop, rail, src, aux, op_id,
-                      step, chunk, offset, length, msg_total, op_total)
-    return body + _CRC.pack(zlib.crc32(body))
+_field_values = operator.attrgetter(*(f.name for f in fields(Header)))
+
+
+def pack(*args, **kw) -> bytes:
+    """``Header(*args, **kw).pack()``. nezha builds its frames by keyword (``Header(...)``,
+    ``frame``); the positional form (wire order) stays for captures and tests."""
+    return Header(*args, **kw).pack()
+
+
+def frame(type_: int, payload: bytes = b"", **fields_) -> bytes:
+    """A header given by keyword, ``length`` = len(payload), followed by the payload."""
+    return Header(type_, length=len(payload), **fields_).pack() + payload
 
 
 def unpack(data) -> Header:
@@ -125,8 +133,9 @@ def unpack(data) -> Header:
     if len(data) != HEADER_SIZE:
         raise ProtocolError(f"truncated header: {len(data)} of {HEADER_SIZE} bytes")
     body = bytes(data[:_BODY.size])
-    (magic, version, type_, kind, dtype, redop, rail, src, aux, op_id, step, chunk, offset,
-     length, msg_total, op_total) = _BODY.unpack(body)
+    magic, version, *values = _BODY.unpack(body)
+    h = Header(*values)
+    type_, length, offset, msg_total = h.type, h.length, h.offset, h.msg_total
     if magic != MAGIC:
         raise ProtocolError(f"bad magic {magic!r} (expected {MAGIC!r}): not a nezha peer or garbage")
     if version != VERSION:
@@ -136,12 +145,12 @@ def unpack(data) -> Header:
         raise ProtocolError("header checksum mismatch")
     if type_ not in TYPE_NAMES:
         raise ProtocolError(f"unknown frame type {type_}")
-    if kind not in KIND_NAMES:
-        raise ProtocolError(f"unknown collective kind {kind}")
-    if dtype not in DTYPES:
-        raise ProtocolError(f"unknown dtype code {dtype}")
-    if redop not in REDOPS:
-        raise ProtocolError(f"unknown reduction op code {redop}")
+    if h.kind not in KIND_NAMES:
+        raise ProtocolError(f"unknown collective kind {h.kind}")
+    if h.dtype not in DTYPES:
+        raise ProtocolError(f"unknown dtype code {h.dtype}")
+    if h.redop not in REDOPS:
+        raise ProtocolError(f"unknown reduction op code {h.redop}")
     if type_ == DATA:
         if length > MAX_PAYLOAD:
             raise ProtocolError(f"DATA frame too long: {length} bytes")
@@ -152,5 +161,4 @@ def unpack(data) -> Header:
             raise ProtocolError(f"{TYPE_NAMES[type_]} payload too long: {length} bytes")
     elif length != 0:
         raise ProtocolError(f"{TYPE_NAMES[type_]} frame with a payload of {length} bytes")
-    return Header(type_, kind, dtype, redop, rail, src, aux, op_id, step, chunk, offset,
-                  length, msg_total, op_total)
+    return h

@@ -7,7 +7,7 @@
 Every flag also comes from the environment (NEZHA_RANK, NEZHA_WORLD_SIZE, NEZHA_RAILS,
 NEZHA_MASTER or NEZHA_MASTER_ADDR + NEZHA_MASTER_PORT, NEZHA_SYSTEM, NEZHA_SIZE,
 NEZHA_ITERATIONS, NEZHA_WARMUP, NEZHA_DURATION, NEZHA_DTYPE, NEZHA_OP, NEZHA_EVENT_LOG, NEZHA_RESULTS,
-NEZHA_TIMEOUT).
+NEZHA_TIMEOUT), read once by nezha.config (the table of every variable is there).
 
 Every iteration starts with a barrier (not timed), so its time is the collective's, not the
 ranks' skew on entry.
@@ -38,18 +38,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
+from dataclasses import dataclass, field
+from typing import Optional
 
 import numpy as np
 
+from .config import Config, Workload
+
 EXIT_OK, EXIT_OTHER, EXIT_CONFIG, EXIT_WRONG, EXIT_COMM = 0, 1, 2, 3, 4
-
-
-def env(name, default=None):
-    v = os.environ.get(name)
-    return v if v not in (None, "") else default
 
 
 def parse_size(s) -> int:
@@ -60,26 +58,29 @@ def parse_size(s) -> int:
     return int(s)
 
 
-def build_parser():
+def build_parser(cfg: Optional[Config] = None, wl: Optional[Workload] = None):
+    """The command line; its defaults come from the environment (``cfg``, ``wl``)."""
+    cfg = cfg if cfg is not None else Config.from_env()
+    wl = wl if wl is not None else Workload.from_env()
     p = argparse.ArgumentParser(prog="python -m nezha.worker", description=__doc__.split("\n")[0])
-    master = env("NEZHA_MASTER")
-    if master is None and env("NEZHA_MASTER_ADDR") and env("NEZHA_MASTER_PORT"):
-        master = f"{env('NEZHA_MASTER_ADDR')}:{env('NEZHA_MASTER_PORT')}"
-    p.add_argument("--rank", type=int, default=env("NEZHA_RANK"))
-    p.add_argument("--world-size", type=int, default=env("NEZHA_WORLD_SIZE"))
-    p.add_argument("--rails", default=env("NEZHA_RAILS"))
+    master = wl.master
+    if master is None and cfg.master_addr and cfg.master_port is not None:
+        master = f"{cfg.master_addr}:{cfg.master_port}"
+    p.add_argument("--rank", type=int, default=cfg.rank)
+    p.add_argument("--world-size", type=int, default=cfg.world_size)
+    p.add_argument("--rails", default=cfg.rails)
     p.add_argument("--master", default=master)
-    p.add_argument("--system", default=env("NEZHA_SYSTEM", "nezha"))
-    p.add_argument("--size", default=env("NEZHA_SIZE", "16M"), help="bytes per allreduce (16M, 4096...)")
-    p.add_argument("--iterations", type=int, default=env("NEZHA_ITERATIONS"))
-    p.add_argument("--duration", type=float, default=env("NEZHA_DURATION"))
-    p.add_argument("--warmup", type=int, default=int(env("NEZHA_WARMUP", 0)),
+    p.add_argument("--system", default=cfg.system)
+    p.add_argument("--size", default=wl.size, help="bytes per allreduce (16M, 4096...)")
+    p.add_argument("--iterations", type=int, default=wl.iterations)
+    p.add_argument("--duration", type=float, default=wl.duration)
+    p.add_argument("--warmup", type=int, default=wl.warmup,
                    help="iterations run first and left out of the timings")
-    p.add_argument("--dtype", default=env("NEZHA_DTYPE", "float32"))
-    p.add_argument("--op", default=env("NEZHA_OP", "sum"))
-    p.add_argument("--events", default=env("NEZHA_EVENT_LOG"))
-    p.add_argument("--results", default=env("NEZHA_RESULTS"))
-    p.add_argument("--timeout", type=float, default=float(env("NEZHA_TIMEOUT", 30.0)))
+    p.add_argument("--dtype", default=wl.dtype)
+    p.add_argument("--op", default=wl.op)
+    p.add_argument("--events", default=cfg.event_log)
+    p.add_argument("--results", default=wl.results)
+    p.add_argument("--timeout", type=float, default=cfg.timeout)
     p.add_argument("--log-ops", action="store_true", help="op_start/op_end events")
     return p
 
@@ -119,24 +120,40 @@ class Pattern:
         return int(np.count_nonzero(buf != exp.astype(self.dtype)))
 
 
-def run(a) -> int:
-    from .baselines import make_context
+@dataclass
+class Tally:
+    """What the iterations so far came to (the summary line is made from it)."""
+    k: int = 0                                   # iterations run (warm-up included)
+    times: list = field(default_factory=list)    # seconds of each timed iteration
+    bad_iters: list = field(default_factory=list)
+    mismatches: int = 0
+    t_begin: float = 0.0                         # when the timed part began
+    rb0: dict = field(default_factory=dict)      # rail bytes then
+
+
+def _arg_error(a) -> Optional[str]:
     missing = [n for n in ("rank", "world_size", "rails", "master") if getattr(a, n) is None]
     if missing:
-        print(f"nezha.worker: missing {', '.join('--' + m.replace('_', '-') for m in missing)} "
-              f"(or the NEZHA_* environment)", file=sys.stderr)
+        return (f"missing {', '.join('--' + m.replace('_', '-') for m in missing)} "
+                f"(or the NEZHA_* environment)")
+    if a.warmup < 0:
+        return f"--warmup {a.warmup} is negative"
+    size, dt = parse_size(a.size), np.dtype(a.dtype)
+    if size % dt.itemsize:
+        return f"--size {size} is not a multiple of {dt.itemsize} ({dt.name})"
+    return None
+
+
+def run(a, config: Optional[Config] = None) -> int:
+    from .baselines import make_context
+    err = _arg_error(a)
+    if err:
+        print(f"nezha.worker: {err}", file=sys.stderr)
         return EXIT_CONFIG
     if a.iterations is None and a.duration is None:
         a.iterations = 10
-    if a.warmup < 0:
-        print(f"nezha.worker: --warmup {a.warmup} is negative", file=sys.stderr)
-        return EXIT_CONFIG
     size = parse_size(a.size)
     dt = np.dtype(a.dtype)
-    if size % dt.itemsize:
-        print(f"nezha.worker: --size {size} is not a multiple of {dt.itemsize} ({dt.name})", file=sys.stderr)
-        return EXIT_CONFIG
-    count = size // dt.itemsize
     out = open(a.results, "a", buffering=1) if a.results else None
 
     def emit(rec):
@@ -145,80 +162,98 @@ def run(a) -> int:
 
     ctx = make_context(a.system, rank=a.rank, world_size=a.world_size, rails=a.rails,
                        master=a.master, timeout=a.timeout, events=a.events,
+                       config=config if config is not None else Config.from_env(),
                        **({"log_ops": True} if a.log_ops and a.system != "gloo" else {}))
-    pat = Pattern(count, dt, a.op, ctx.world_size)
-    buf = np.empty(count, dtype=dt)
-    n = ctx.world_size
-    times, bad_iters, total_mis = [], [], 0
-    t_begin = time.monotonic()
-    rb0 = dict(ctx.rail_bytes())
-    k = 0
+    tally = Tally(t_begin=time.monotonic(), rb0=dict(ctx.rail_bytes()))
     try:
-        while True:
-            pat.fill(buf, ctx.rank, k)
-            # start together: otherwise a rank that finished verifying early times its wait for
-            # the others as part of the collective
-            ctx.barrier()
-            before = ctx.rail_bytes()
-            t0 = time.monotonic()
-            ctx.allreduce(buf, op=a.op)
-            t1 = time.monotonic()
-            after = ctx.rail_bytes()
-            mis = pat.mismatches(buf, k)
-            total_mis += mis
-            if mis:
-                bad_iters.append(k)
-            warm = k < a.warmup
-            if not warm:
-                times.append(t1 - t0)
-            emit({"iter": k, "t_start": t0, "t_end": t1, "seconds": t1 - t0, "bytes": size,
-                  "ok": mis == 0, "mismatches": mis, "rank": ctx.rank, "system": a.system,
-                  "warmup": warm, "rail_bytes": {r: after[r] - before.get(r, 0) for r in after}})
-            k += 1
-            if warm:
-                if k == a.warmup:       # timings, duration and rail bytes start here
-                    t_begin = time.monotonic()
-                    rb0 = dict(ctx.rail_bytes())
-                continue
-            enough = a.iterations is None or k >= a.iterations + a.warmup
-            if a.duration is None:
-                if enough:
-                    break
-            else:
-                # both given: at least that many iterations and at least that long
-                stop = np.array([1 if enough and time.monotonic() - t_begin >= a.duration
-                                 else 0], dtype=np.int32)
-                ctx.allreduce(stop, op="max")
-                if stop[0]:
-                    break
+        _iterate(ctx, a, Pattern(size // dt.itemsize, dt, a.op, ctx.world_size), tally, emit)
     except Exception as e:
-        emit({"summary": True, "iterations": k, "ok": False, "error": f"{type(e).__name__}: {e}",
-              "rank": ctx.rank, "system": a.system, "exit_code": EXIT_COMM})
+        emit({"summary": True, "iterations": tally.k, "ok": False,
+              "error": f"{type(e).__name__}: {e}", "rank": ctx.rank, "system": a.system,
+              "exit_code": EXIT_COMM})
         raise
     finally:
         stats = ctx.stats()
         ctx.close()
-    mean = float(np.mean(times)) if times else 0.0
+    return _summary(ctx, a, size, tally, stats, emit)
+
+
+def _iterate(ctx, a, pat: Pattern, tally: Tally, emit) -> None:
+    """Verified allreduces until --iterations / --duration say stop (see the docstring)."""
+    buf = np.empty(len(pat.base), dtype=pat.dtype)
+    while True:
+        k = tally.k
+        pat.fill(buf, ctx.rank, k)
+        # start together: otherwise a rank that finished verifying early times its wait for
+        # the others as part of the collective
+        ctx.barrier()
+        before = ctx.rail_bytes()
+        t0 = time.monotonic()
+        ctx.allreduce(buf, op=a.op)
+        t1 = time.monotonic()
+        after = ctx.rail_bytes()
+        mis = pat.mismatches(buf, k)
+        tally.mismatches += mis
+        if mis:
+            tally.bad_iters.append(k)
+        warm = k < a.warmup
+        if not warm:
+            tally.times.append(t1 - t0)
+        emit({"iter": k, "t_start": t0, "t_end": t1, "seconds": t1 - t0, "bytes": buf.nbytes,
+              "ok": mis == 0, "mismatches": mis, "rank": ctx.rank, "system": a.system,
+              "warmup": warm, "rail_bytes": {r: after[r] - before.get(r, 0) for r in after}})
+        tally.k = k = k + 1
+        if warm:
+            if k == a.warmup:       # timings, duration and rail bytes start here
+                tally.t_begin = time.monotonic()
+                tally.rb0 = dict(ctx.rail_bytes())
+            continue
+        if _should_stop(ctx, a, tally):
+            return
+
+
+def _should_stop(ctx, a, tally: Tally) -> bool:
+    enough = a.iterations is None or tally.k >= a.iterations + a.warmup
+    if a.duration is None:
+        return enough
+    # both given: at least that many iterations and at least that long; every rank stops
+    # after the same iteration (an allreduce (max) of the flag)
+    stop = np.array([1 if enough and time.monotonic() - tally.t_begin >= a.duration
+                     else 0], dtype=np.int32)
+    ctx.allreduce(stop, op="max")
+    return bool(stop[0])
+
+
+def _summary(ctx, a, size: int, tally: Tally, stats: dict, emit) -> int:
+    n = ctx.world_size
+    mean = float(np.mean(tally.times)) if tally.times else 0.0
     algbw = size / mean if mean > 0 else 0.0
-    rb = {r: v - rb0.get(r, 0) for r, v in ctx.rail_bytes().items()} if hasattr(ctx, "events") else {}
-    code = EXIT_WRONG if bad_iters else EXIT_OK
-    emit({"summary": True, "iterations": k, "warmup": min(k, a.warmup), "ok": not bad_iters,
-          "failed_iterations": bad_iters,
-          "mismatches": total_mis, "mean_s": mean, "algbw_Bps": algbw,
+    rb = ({r: v - tally.rb0.get(r, 0) for r, v in ctx.rail_bytes().items()}
+          if hasattr(ctx, "events") else {})
+    bad = tally.bad_iters
+    code = EXIT_WRONG if bad else EXIT_OK
+    emit({"summary": True, "iterations": tally.k, "warmup": min(tally.k, a.warmup), "ok": not bad,
+          "failed_iterations": bad,
+          "mismatches": tally.mismatches, "mean_s": mean, "algbw_Bps": algbw,
           "busbw_Bps": algbw * 2 * (n - 1) / n if n > 1 else algbw, "rail_bytes": rb,
           "shares": stats.get("shares"), "state": stats.get("state"), "rank": ctx.rank,
           "system": a.system, "bytes": size, "exit_code": code})
-    if bad_iters:
-        print(f"nezha.worker: rank {ctx.rank}: WRONG RESULTS in iterations {bad_iters[:10]} "
-              f"({total_mis} elements)", file=sys.stderr)
+    if bad:
+        print(f"nezha.worker: rank {ctx.rank}: WRONG RESULTS in iterations {bad[:10]} "
+              f"({tally.mismatches} elements)", file=sys.stderr)
     return code
 
 
 def main(argv=None) -> int:
     from .errors import ConfigError, NezhaError
-    a = build_parser().parse_args(argv)
     try:
-        return run(a)
+        cfg, wl = Config.from_env(), Workload.from_env()
+    except ConfigError as e:
+        print(f"nezha.worker: configuration error: {e}", file=sys.stderr)
+        return EXIT_CONFIG
+    a = build_parser(cfg, wl).parse_args(argv)
+    try:
+        return run(a, cfg)
     except ConfigError as e:
         print(f"nezha.worker: configuration error: {e}", file=sys.stderr)
         return EXIT_CONFIG

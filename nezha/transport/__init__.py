@@ -7,14 +7,15 @@ thread fed by a queue. Implementations: ``TcpTransport`` (one TCP connection per
 rail, bound to the rail's address) and ``MptcpTransport`` (one MPTCP connection per peer,
 the kernel spreads its subflows over the rails).
 """
+from ..config import Config
 from .base import Connection, Transport, recv_exact_into, send_vec  # noqa: F401
 from .tcp import TcpTransport  # noqa: F401
 from .mptcp import MptcpTransport, configure_mptcp_endpoints  # noqa: F401
 
 
-def make_transport(name: str, rails, **kw) -> Transport:
-    if name == "tcp":
-        return TcpTransport(rails, **kw)
-    if name == "mptcp":
-        return MptcpTransport(rails, **kw)
+def make_transport(name: str, rails, config: Config = Config()) -> Transport:
+    """``config``: socket options and the timeout (TCP_USER_TIMEOUT's default)."""
+    cls = {"tcp": TcpTransport, "mptcp": MptcpTransport}.get(name)
+    if cls is not None:
+        return cls(rails, config)
     raise ValueError(f"unknown transport {name!r}")

@@ -11,6 +11,7 @@ import time
 from collections import deque
 
 from .. import wire
+from ..config import Config
 from ..errors import CommError, ConfigError, PeerClosedError, ProtocolError
 
 
@@ -51,13 +52,13 @@ class Transport:
     """Set-up side of a protocol: listening sockets per logical rail and outgoing connects."""
     name = "base"
 
-    def __init__(self, rails, sockbuf: int | None = None, user_timeout_ms: int | None = None):
+    def __init__(self, rails, config: Config = Config()):
         self.rails = list(rails)
-        self.sockbuf = sockbuf
-        self.user_timeout_ms = user_timeout_ms
-        import os
-        self.notsent_lowat = int(os.environ.get("NEZHA_NOTSENT_LOWAT", 256 << 10))
-        self.congestion = os.environ.get("NEZHA_TCP_CONGESTION", "")
+        self.sockbuf = config.sockbuf
+        # bounds the kernel's retries; by default the context's timeout
+        self.user_timeout_ms = config.tcp_user_timeout_ms or int(config.timeout * 1000)
+        self.notsent_lowat = config.notsent_lowat
+        self.congestion = config.tcp_congestion
         if self.congestion:       # refuse a bad name now, on every rank, not at connect time
             probe = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             try:
@@ -284,22 +285,15 @@ class Connection:
         return cur - (cur if ref is None else ref)
 
     def _read_loop(self):
-        sock = self.sock
-        hbuf = bytearray(wire.HEADER_SIZE)
-        hview = memoryview(hbuf)
+        hview = memoryview(bytearray(wire.HEADER_SIZE))
         try:
             while True:
                 while self.blackhole and self.alive:
                     time.sleep(0.005)
                 if not self.alive:
                     return
-                if not recv_exact_into(sock, hview, "header", self):
-                    if self.bye_seen or self.closing:
-                        self._mark_dead()
-                        self.handler.on_closed(self)
-                    else:
-                        self.fail(PeerClosedError(
-                            f"rank {self.peer} closed its connection on rail {self.rail}"))
+                if not recv_exact_into(self.sock, hview, "header", self):
+                    self._at_eof()
                     return
                 now = time.monotonic()
                 self.last_rx = now
@@ -307,45 +301,7 @@ class Connection:
                 if h.src != self.peer:
                     raise ProtocolError(f"frame claims src rank {h.src} on the connection to "
                                         f"rank {self.peer}")
-                t = h.type
-                if t == wire.DATA:
-                    self.arr_hdr = self.arrived()
-                    target = self.handler.data_target(self, h, now)
-                    if target is None:
-                        buf = bytearray(h.length)
-                        if h.length:
-                            recv_exact_into(sock, memoryview(buf), "payload", self)
-                        self.rx_bytes += h.length
-                        self.arr_end = self.arrived()
-                        self.handler.data_staged(self, h, buf)
-                    else:
-                        if h.length:
-                            if not recv_exact_into(sock, target, "payload", self):
-                                raise PeerClosedError(f"rank {self.peer} closed rail {self.rail} "
-                                                      f"before a payload")
-                        self.rx_bytes += h.length
-                        self.arr_end = self.arrived()
-                        self.handler.data_done(self, h)
-                elif t == wire.ACK:
-                    self.handler.on_ack(self, h)
-                elif t in (wire.ABORT, wire.HELLO, wire.CONTROL):
-                    payload = bytearray(h.length)
-                    if h.length and not recv_exact_into(sock, memoryview(payload), "payload",
-                                                        self):
-                        raise PeerClosedError("closed before a control payload")
-                    if t == wire.ABORT:
-                        self.handler.on_abort(self, h, payload.decode("utf-8", "replace"))
-                    elif t == wire.CONTROL:
-                        self.handler.on_control(self, h, bytes(payload))
-                    else:
-                        raise ProtocolError("unexpected HELLO on an established connection")
-                elif t == wire.BYE:
-                    self.bye_seen = True
-                    self.handler.on_bye(self)
-                elif t == wire.HEARTBEAT:
-                    pass
-                elif t == wire.PROBE:
-                    self.handler.on_probe(self, h)
+                self._dispatch(h, now)
         except PeerClosedError as e:
             self.fail(e)
         except CommError as e:          # protocol violation or mismatch: fatal for the job
@@ -356,6 +312,57 @@ class Connection:
             self.fail(e, protocol=True)
         finally:
             self.handler.release_target(self)
+
+    def _at_eof(self):
+        """The peer closed the stream between frames: expected after a BYE, a failure if not."""
+        if self.bye_seen or self.closing:
+            self._mark_dead()
+            self.handler.on_closed(self)
+        else:
+            self.fail(PeerClosedError(f"rank {self.peer} closed its connection on rail {self.rail}"))
+
+    def _dispatch(self, h, now: float):
+        """Read the rest of frame ``h`` (its payload) and hand it to the handler."""
+        t = h.type
+        if t == wire.DATA:
+            self._read_data(h, now)
+        elif t == wire.ACK:
+            self.handler.on_ack(self, h)
+        elif t in (wire.ABORT, wire.HELLO, wire.CONTROL):
+            payload = bytearray(h.length)
+            if h.length and not recv_exact_into(self.sock, memoryview(payload), "payload", self):
+                raise PeerClosedError("closed before a control payload")
+            if t == wire.ABORT:
+                self.handler.on_abort(self, h, payload.decode("utf-8", "replace"))
+            elif t == wire.CONTROL:
+                self.handler.on_control(self, h, bytes(payload))
+            else:
+                raise ProtocolError("unexpected HELLO on an established connection")
+        elif t == wire.BYE:
+            self.bye_seen = True
+            self.handler.on_bye(self)
+        elif t == wire.PROBE:
+            self.handler.on_probe(self, h)
+        # HEARTBEAT: nothing to do (last_rx moved)
+
+    def _read_data(self, h, now: float):
+        """A DATA payload: straight into the posted receive, or into a staging buffer."""
+        self.arr_hdr = self.arrived()
+        target = self.handler.data_target(self, h, now)
+        if target is None:
+            buf = bytearray(h.length)
+            if h.length:
+                recv_exact_into(self.sock, memoryview(buf), "payload", self)
+            self.rx_bytes += h.length
+            self.arr_end = self.arrived()
+            self.handler.data_staged(self, h, buf)
+            return
+        if h.length:
+            if not recv_exact_into(self.sock, target, "payload", self):
+                raise PeerClosedError(f"rank {self.peer} closed rail {self.rail} before a payload")
+        self.rx_bytes += h.length
+        self.arr_end = self.arrived()
+        self.handler.data_done(self, h)
 
     # ---------------------------------------------------------------- lifecycle
     def _mark_dead(self) -> bool:
@@ -389,12 +396,11 @@ class Connection:
     def send_abort(self, reason: str, src: int):
         self.aborting = True
         payload = reason.encode("utf-8", "replace")[: wire.MAX_CONTROL_PAYLOAD]
-        self.put(wire.pack(wire.ABORT, 0, 0, 0, self.rail, src, 0, 0, 0, 0, 0, len(payload), 0, 0)
-                 + payload)
+        self.put(wire.frame(wire.ABORT, payload, rail=self.rail, src=src))
 
     def send_bye(self, src: int):
         self.closing = True
-        self.put(wire.pack(wire.BYE, 0, 0, 0, self.rail, src, 0, 0, 0, 0, 0, 0, 0, 0))
+        self.put(wire.Header(wire.BYE, rail=self.rail, src=src).pack())
 
     def close(self, wait: float = 1.0):
         self.closing = True

@@ -12,6 +12,7 @@ from __future__ import annotations
 import socket
 import subprocess
 
+from ..config import Config
 from ..errors import ConfigError
 from .base import Transport
 
@@ -21,8 +22,8 @@ IPPROTO_MPTCP = getattr(socket, "IPPROTO_MPTCP", 262)
 class MptcpTransport(Transport):
     name = "mptcp"
 
-    def __init__(self, rails, **kw):
-        super().__init__(rails, **kw)
+    def __init__(self, rails, config: Config = Config()):
+        super().__init__(rails, config)
         self.all_rails = list(rails)
         self.rails = self.all_rails[:1]   # one logical rail
 

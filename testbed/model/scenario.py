@@ -8,13 +8,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from nezha.kinds import ALL_SYSTEMS as SYSTEMS, DTYPES, OPS
 from testbed.errors import SpecError
 from testbed.model.units import format_size, parse_duration, parse_percent, parse_rate, parse_size
 
 WORKLOAD_KINDS = ("allreduce", "sweep", "compare", "command", "none")
-SYSTEMS = ("nezha", "single", "stripe", "mptcp", "gloo")
-DTYPES = ("float32", "float64", "float16", "int32", "int64")
-OPS = ("sum", "max", "min", "prod")
 ENDS = ("host", "switch", "both")
 
 # action -> (allowed target kinds, keys it takes besides at/action/target)

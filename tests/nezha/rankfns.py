@@ -40,8 +40,7 @@ def matrix(rank, world, port, dtypes, ops, counts, nrails=2, system="nezha", oth
     """Every (dtype, op, count) allreduce against numpy; plus the other collectives.
     Returns (failures, digests) so the parent can check identical bits on all ranks."""
     if pipe_block:
-        import nezha.collectives
-        nezha.collectives.PIPE_BLOCK = pipe_block
+        os.environ["NEZHA_PIPE_BLOCK"] = str(pipe_block)
     fails, digests = [], []
     with make_ctx(rank, world, port, nrails, system) as ctx:
         it = 0
@@ -164,16 +163,19 @@ def inject(rank, world, port, what, victim=0, attacker=1, nrails=1, timeout=5.0)
             if what == "garbage":
                 ctx._debug_send_raw(victim, 0, os.urandom(64) + b"x" * 100)
             elif what == "badcrc":
-                h = bytearray(wire.pack(wire.DATA, 1, 1, 1, 0, attacker, 0, 1, 0, 0, 0, 4, 4, 16))
+                h = bytearray(wire.Header(wire.DATA, kind=1, dtype=1, redop=1, src=attacker, op_id=1,
+                                          length=4, msg_total=4, op_total=16).pack())
                 h[20] ^= 0xFF
                 ctx._debug_send_raw(victim, 0, bytes(h) + b"abcd")
             elif what == "overflow":
                 # a well-formed header whose chunk lies outside the posted buffer
-                ctx._debug_send_raw(victim, 0, wire.pack(wire.DATA, 1, 1, 1, 0, attacker, 0, 1, 0,
-                                                         0, 1 << 40, 8, (1 << 40) + 8, 64) + b"12345678")
+                ctx._debug_send_raw(victim, 0, wire.Header(
+                    wire.DATA, kind=1, dtype=1, redop=1, src=attacker, op_id=1, offset=1 << 40,
+                    length=8, msg_total=(1 << 40) + 8, op_total=64).pack() + b"12345678")
             elif what == "truncated":
-                ctx._debug_send_raw(victim, 0, wire.pack(wire.DATA, 1, 1, 1, 0, attacker, 0, 1, 0,
-                                                         0, 0, 1000, 4096, 4096) + b"short")
+                ctx._debug_send_raw(victim, 0, wire.Header(
+                    wire.DATA, kind=1, dtype=1, redop=1, src=attacker, op_id=1, length=1000,
+                    msg_total=4096, op_total=4096).pack() + b"short")
                 time.sleep(0.2)
                 ctx._debug_kill_rail(victim, 0)
         a = np.ones(1024, dtype=np.float32)

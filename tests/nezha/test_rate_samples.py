@@ -9,6 +9,7 @@ import time
 import pytest
 
 from nezha import wire
+from nezha.config import Config
 from nezha.engine import Engine
 from nezha.events import Events
 from nezha.transport.base import Connection, recv_exact_into
@@ -28,13 +29,14 @@ class Recorder:
 
 
 def header(step: int, offset: int, length: int, total: int, rail: int = 0):
-    return wire.unpack(wire.pack(wire.DATA, wire.K_ALLREDUCE, 0, 0, rail, 1, 0, 7, step, 0,
-                                 offset, length, total, total))
+    return wire.unpack(wire.Header(wire.DATA, kind=wire.K_ALLREDUCE, rail=rail, src=1, op_id=7,
+                                   step=step, offset=offset, length=length, msg_total=total,
+                                   op_total=total).pack())
 
 
 def test_sample_is_arrivals_over_the_share_time():
     rec = Recorder()
-    eng = Engine(0, 2, 2, rec, Events(0, 2), timeout=5.0)
+    eng = Engine(0, 2, 2, rec, Events(0, 2), Config(timeout=5.0))
     total = 1 << 20
     buf = memoryview(bytearray(total))
     slot = eng.post_recv(7, 0, 1, buf, wire.K_ALLREDUCE, 0, 0, total)
@@ -55,7 +57,7 @@ def test_sample_is_arrivals_over_the_share_time():
 
 def test_a_share_that_was_all_queued_gives_no_sample():
     rec = Recorder()
-    eng = Engine(0, 2, 2, rec, Events(0, 2), timeout=5.0)
+    eng = Engine(0, 2, 2, rec, Events(0, 2), Config(timeout=5.0))
     total = 1 << 20
     slot = eng.post_recv(7, 0, 1, memoryview(bytearray(total)), wire.K_ALLREDUCE, 0, 0, total)
     with eng.cond:

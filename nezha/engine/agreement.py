@@ -1,0 +1,101 @@
+"""Control plane of the engine: CONTROL frames, and the agreement on which rails carry data.
+
+A rank that sees its link to a peer fail (or come back) tells every rank (``report_rail``);
+a rail somebody reports down is used by nobody for data until every report is withdrawn
+(``rail_down_reports``). Reports carry a per-sender sequence number, since they may travel
+on different rails and overtake each other. The watchdog's "do my bytes still arrive?"
+question and its answer (health.py) travel as CONTROL frames too.
+"""
+from __future__ import annotations
+
+import json
+
+from .. import wire
+from ..errors import PeerClosedError, ProtocolError
+
+
+class Agreement:
+    """Mixin of Engine (state in core.Engine.__init__)."""
+
+    def _ctrl(self, peer, frame: bytes, avoid=None) -> bool:
+        """Queue a control frame to ``peer`` on a live rail, one other than ``avoid`` when there
+        is one. False if no rail to the peer is left."""
+        rails = self.live_rails(peer, data=False)
+        if not rails:
+            return False
+        others = [r for r in rails if r != avoid]
+        self.conns[(peer, (others or rails)[0])].put(frame)
+        return True
+
+    def send_control(self, peer: int, body: dict, avoid=None) -> bool:
+        """A CONTROL frame with a JSON body to ``peer`` (see ``_ctrl`` for the rail)."""
+        data = json.dumps(body).encode()
+        return self._ctrl(peer, wire.frame(wire.CONTROL, data, src=self.rank, op_id=self.op_seq),
+                          avoid)
+
+    def on_control(self, conn, h, payload):
+        try:
+            m = json.loads(payload)
+            kind, rail = m["what"], int(m["rail"])
+            if kind == "arrivals?":
+                window, ident = float(m["window"]), int(m["id"])
+            elif kind == "arrivals":
+                nbytes, ident = int(m["bytes"]), int(m["id"])
+        except (ValueError, KeyError, TypeError):
+            raise ProtocolError(f"bad CONTROL payload from rank {h.src}")
+        if not 0 <= rail < self.nrails:
+            raise ProtocolError(f"CONTROL for unknown rail {rail} from rank {h.src}")
+        if kind == "arrivals?":
+            # the peer's watchdog sees no progress on its connection to us on this rail: tell
+            # it how many bytes reached us on it lately (a slow rail: some; a black hole: none)
+            c = self.conns.get((h.src, rail))
+            got = c.arrived_within(min(max(window, 0.0), 5.0)) if c is not None and c.alive else 0
+            self.send_control(h.src, {"what": "arrivals", "rail": rail, "id": ident, "bytes": got},
+                              avoid=rail)
+        elif kind == "arrivals":
+            if self.on_arrivals is not None:
+                self.on_arrivals(h.src, rail, ident, nbytes)
+        else:
+            self._apply_report(kind, rail, h.src, int(m.get("peer", -1)), m.get("op"),
+                               int(m.get("seq", 0)), m.get("conn"))
+
+    def _apply_report(self, kind, rail, reporter, peer, op, seq=0, ident=None):
+        if kind == "down" and peer == self.rank and reporter != self.rank:
+            # the other end of our connection saw it fail: do not wait for our own detection
+            # (only if it is the same TCP connection, not one that has rejoined since)
+            c = self.conns.get((reporter, rail))
+            if c is not None and c.alive and ident and list(c.ident[::-1]) == list(ident):
+                c.fail(PeerClosedError(f"rank {reporter} reported rail {rail} down"))
+        with self.cond:
+            last = self._report_seq.get((reporter, peer, rail), -1)
+            if seq <= last:
+                return                      # an older report overtaken by a newer one
+            self._report_seq[(reporter, peer, rail)] = seq
+            rep = self.rail_down_reports.setdefault(rail, set())
+            before = bool(rep)
+            if kind == "down":
+                rep.add((reporter, peer))
+            elif kind == "up":
+                rep.discard((reporter, peer))
+            after = bool(rep)
+            self.cond.notify_all()
+        if before != after:
+            self.events.emit("rail_agreed", rail=rail, state="down" if after else "up",
+                             by=reporter, peer=peer, op=op)
+            if rail < len(self.events.rail_status):
+                self.events.rail_status[rail] = "down" if after else "up"
+
+    def report_rail(self, kind: str, rail: int, peer: int, conn=None):
+        """Tell every rank (over any working rail) that our link to ``peer`` on ``rail`` went
+        down / came back, and apply it here. Everyone stops / resumes using the rail for data.
+        Reports carry a per-sender sequence number (they may travel on different rails and
+        overtake each other) and the TCP ports of the connection concerned."""
+        with self.cond:
+            self._my_seq += 1
+            seq = self._my_seq
+        body = {"what": kind, "rail": rail, "peer": peer, "op": self.op_seq, "seq": seq,
+                "conn": list(conn.ident) if conn is not None else None}
+        for p in range(self.world):
+            if p != self.rank:
+                self.send_control(p, body)
+        self._apply_report(kind, rail, self.rank, peer, self.op_seq, seq)

@@ -1,0 +1,139 @@
+"""The Engine object: its state, operation bracketing, waiting, and fatal failure.
+
+Its methods live in four modules by concern (receive, send, agreement, failover), combined
+here; every piece of state is created in ``Engine.__init__`` below.
+"""
+from __future__ import annotations
+
+import threading
+import time
+
+from ..config import Config
+from ..errors import CommTimeout, PeerClosedError
+from .agreement import Agreement
+from .failover import Failover
+from .messages import RecvSlot, SendMsg
+from .receive import Receiving
+from .send import Sending
+
+
+class Engine(Receiving, Sending, Agreement, Failover):
+    def __init__(self, rank, world, nrails, balancer, events, config: Config = Config()):
+        self.rank, self.world, self.nrails = rank, world, nrails
+        self.balancer = balancer
+        self.events = events
+        self.timeout = config.timeout
+        self.staging_limit = config.staging_limit
+        self.debug_samples = config.debug_samples   # a b_sample event per rate sample
+        self.trace = config.trace                   # a tx/rx event per chunk
+        self.conns: dict[tuple[int, int], object] = {}
+        self.dead: set[tuple[int, int]] = set()
+        self.gone: set[int] = set()
+        self.cond = threading.Condition()
+        self.slots: dict[tuple, RecvSlot] = {}
+        self.staged: dict[tuple, list] = {}
+        self.staged_bytes = 0
+        self.sends: dict[tuple, SendMsg] = {}
+        self.error: BaseException | None = None
+        self.op_seq = -1
+        self.posted_op = -1
+        self.done_op = -1
+        self.closing = False
+        self._aborted = False
+        # rail -> {(reporting rank, peer)}: a rail somebody reported down is not used for data
+        self.rail_down_reports: dict[int, set] = {}
+        self._report_seq: dict = {}
+        self._my_seq = 0
+        self._rr = 0
+        self.on_arrivals = None   # health.Health's answer handler (rank, rail, id, bytes)
+
+    def live_rails(self, peer, data: bool = True) -> list[int]:
+        """Rails with a working connection to ``peer``; for data also not agreed down."""
+        return [r for r in range(self.nrails)
+                if (peer, r) in self.conns and (peer, r) not in self.dead
+                and not (data and self.rail_down_reports.get(r))]
+
+    # ------------------------------------------------------------------ ops
+    def begin_op(self) -> int:
+        with self.cond:
+            if self.error is not None:
+                raise self.error
+            self.op_seq += 1
+            return self.op_seq
+
+    def end_op(self, op_id):
+        with self.cond:
+            # a late duplicate copy may still be writing (a rerouted chunk): its rail was
+            # shut down, so that ends at once; wait so nobody writes into a returned buffer
+            deadline = time.monotonic() + 1.0
+            while any(s.writers for k, s in self.slots.items() if k[0] == op_id):
+                if time.monotonic() > deadline:
+                    break
+                self.cond.wait(0.01)
+            for k in [k for k in self.slots if k[0] <= op_id]:
+                del self.slots[k]
+            for k in [k for k in self.sends if k[0] <= op_id]:
+                del self.sends[k]
+            for k in [k for k in self.staged if k[0] <= op_id]:
+                for _, buf, *_ in self.staged.pop(k):
+                    self.staged_bytes -= len(buf)
+            self.done_op = op_id
+        self.balancer.note_op()
+
+    # ------------------------------------------------------------------ waiting
+    def wait(self, pred, what: str, peers=(), deadline=None):
+        if deadline is None:
+            deadline = time.monotonic() + self.timeout
+        with self.cond:
+            while True:
+                if self.error is not None:
+                    raise self.error
+                if pred():
+                    return
+                for p in (peers() if callable(peers) else peers):
+                    if p in self.gone:
+                        raise self._fail_waiting(PeerClosedError(
+                            f"rank {p} closed the communicator while rank {self.rank} was "
+                            f"waiting for {what}"))
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise self._fail_waiting(CommTimeout(
+                        f"rank {self.rank}: timed out after {self.timeout:g} s waiting for {what}"))
+                self.cond.wait(min(left, 0.25))
+
+    def _fail_waiting(self, exc: BaseException) -> BaseException:
+        """``fatal(exc)`` from inside ``wait`` (which holds cond); returns exc to raise."""
+        self.cond.release()
+        try:
+            self.fatal(exc)
+        finally:
+            self.cond.acquire()
+        return exc
+
+    def wait_recv(self, slot: RecvSlot, deadline=None):
+        op, step, src = slot.key
+        self.wait(lambda: slot.complete, f"op {op} step {step} from rank {src}", (src,), deadline)
+
+    def wait_sent(self, msgs, deadline=None):
+        msgs = list(msgs)
+        if not msgs:
+            return
+        self.wait(lambda: all(m.complete for m in msgs),
+                  f"acknowledgements from ranks {sorted({m.dst for m in msgs})}",
+                  lambda: {m.dst for m in msgs if not m.complete}, deadline)
+
+    # ------------------------------------------------------------------ failure
+    def fatal(self, exc: BaseException):
+        with self.cond:
+            if self.error is not None:
+                return
+            self.error = exc
+            self.cond.notify_all()
+        self.events.emit("error", error=type(exc).__name__, message=str(exc))
+        if self.closing or self._aborted:
+            return
+        self._aborted = True
+        reason = f"{type(exc).__name__}: {exc}"
+        for (peer, rail), conn in list(self.conns.items()):
+            if conn.alive:
+                conn.send_abort(reason, self.rank)

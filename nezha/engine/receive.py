@@ -1,0 +1,209 @@
+"""Receive side of the engine: posted receives, staging, ACKs, rate samples (b_r).
+
+The reader thread parses a header, asks ``data_target`` for the destination slice of the
+posted receive and ``recv_into``s straight into it. A frame that arrives before its receive
+is posted goes to a bounded staging area (never blocks a rail thread); it is copied and
+acknowledged when the receive is posted. ACKs of staged chunks are therefore delayed, which
+bounds how far a peer can run ahead (one operation).
+"""
+from __future__ import annotations
+
+import time
+
+from .. import wire
+from ..balance import B_MIN_BYTES
+from ..errors import CommError, MismatchError, ProtocolError
+from .messages import ACK_PROGRESS, OP_WINDOW, RecvSlot
+
+
+class Receiving:
+    """Mixin of Engine (state in core.Engine.__init__)."""
+
+    def _ack_frame(self, conn, h, status: int) -> bytes:
+        """ACK of DATA frame ``h``; status 0 delivered, 1 after staging, ACK_PROGRESS."""
+        return wire.Header(wire.ACK, kind=h.kind, rail=conn.rail, src=self.rank, aux=h.length,
+                           op_id=h.op_id, step=h.step, chunk=h.chunk, offset=h.offset,
+                           msg_total=h.msg_total, op_total=status).pack()
+
+    def _ack(self, conn, h, delayed: bool):
+        frame = self._ack_frame(conn, h, 1 if delayed else 0)
+        if conn.alive:
+            conn.put(frame)
+        else:
+            self._ctrl(conn.peer, frame)
+
+    def _check(self, slot: RecvSlot, h, conn):
+        if (h.kind, h.dtype, h.redop, h.op_total, h.msg_total) != (
+                slot.kind, slot.dtype, slot.redop, slot.op_total, slot.total) or (
+                h.kind == wire.K_BROADCAST and h.aux != slot.aux):
+            def d(kind, dtype, redop, op_total, total, aux):
+                s = (f"{wire.KIND_NAMES.get(kind)} of {op_total} bytes of "
+                     f"{wire.DTYPES.get(dtype)} op={wire.REDOPS.get(redop)}")
+                return s + (f" root={aux}" if kind == wire.K_BROADCAST else "") + f" (step message {total} bytes)"
+            raise MismatchError(
+                f"collective mismatch at op {h.op_id}: rank {h.src} called "
+                f"{d(h.kind, h.dtype, h.redop, h.op_total, h.msg_total, h.aux)} but rank {self.rank} called "
+                f"{d(slot.kind, slot.dtype, slot.redop, slot.op_total, slot.total, slot.aux)}")
+
+    def post_recv(self, op_id, step, src, view, kind, dtype, redop, op_total, aux=0) -> RecvSlot:
+        key = (op_id, step, src)
+        slot = RecvSlot(key, view, kind, dtype, redop, op_total, aux)
+        err = None
+        with self.cond:
+            self.slots[key] = slot
+            for h, buf, t1, t2, a1, a2 in self.staged.pop(key, ()):
+                self.staged_bytes -= len(buf)
+                if err is None:
+                    try:
+                        self._check(slot, h, None)
+                    except CommError as e:
+                        err = e
+                        continue
+                    if h.offset not in slot.done:
+                        view[h.offset:h.offset + h.length] = buf
+                        self._mark(slot, h, t1, t2, a1, a2)
+                conn = self.conns.get((src, h.rail))
+                if conn is not None:
+                    self._ack(conn, h, True)
+        if err is not None:
+            self.fatal(err)
+        return slot
+
+    def posted(self, op_id):
+        """All receives of ``op_id`` are posted: anything else staged for it is unexpected."""
+        with self.cond:
+            self.posted_op = op_id
+            bad = [k for k in self.staged if k[0] == op_id]
+        if bad:
+            h = self.staged[bad[0]][0][0]
+            self.fatal(self._unexpected(h))
+
+    def _unexpected(self, h):
+        return MismatchError(f"collective mismatch at op {h.op_id}: rank {h.src} sent "
+                             f"{wire.KIND_NAMES.get(h.kind)} step {h.step} data that rank "
+                             f"{self.rank} does not expect (different collective, root or "
+                             f"world view)")
+
+    def _mark(self, slot, h, t_first, t_end, a_first=0, a_end=0):
+        slot.frames += 1
+        if h.offset in slot.done:
+            return
+        if slot.got + h.length > slot.total:
+            raise ProtocolError(f"rank {h.src} sent more than {slot.total} bytes for op {h.op_id} step {h.step}")
+        slot.done[h.offset] = h.length
+        slot.got += h.length
+        r = h.rail
+        if r not in slot.first or t_first < slot.first[r]:
+            slot.first[r], slot.afirst[r] = t_first, a_first
+        if t_end >= slot.last.get(r, 0.0):
+            slot.last[r], slot.alast[r] = t_end, a_end
+        slot.rbytes[r] = slot.rbytes.get(r, 0) + h.length
+        if r < len(self.events.rails):
+            c = self.events.rails[r]
+            c.bytes_recv += h.length
+            c.chunks_recv += 1
+        if slot.got == slot.total and slot.frames >= 1:
+            slot.complete = True
+            self._record_rates(slot)
+            self.cond.notify_all()
+
+    def _record_rates(self, slot):
+        """A complete receive: one b_r sample per rail that carried enough of it."""
+        for rr, nb in slot.rbytes.items():
+            # the rail's arrival rate while this share came in: bytes that reached the
+            # socket between its first header and its last byte (not the bytes we read:
+            # some may have queued before the first header, others after it)
+            arrived = slot.alast[rr] - slot.afirst[rr]
+            seconds = slot.last[rr] - slot.first[rr]
+            if nb >= B_MIN_BYTES and arrived >= B_MIN_BYTES // 2:
+                self.balancer.record_b(rr, arrived, seconds)
+            if self.debug_samples:
+                self.events.emit("b_sample", rail=rr, bytes=nb, arrived=arrived,
+                                 seconds=seconds, since_post=slot.last[rr] - slot.t_post,
+                                 op=slot.key[0], step=slot.key[1])
+
+    # ------------------------------------------------------------------ connection callbacks
+    def data_target(self, conn, h, now):
+        with self.cond:
+            if self.closing or self.error is not None:
+                return None      # failed already: drain quietly so our ABORT gets out
+            key = (h.op_id, h.step, h.src)
+            slot = self.slots.get(key)
+            if slot is None:
+                # peers may legitimately run a few ops ahead (a broadcast receiver does not
+                # wait for the other receivers); far ahead means a broken peer
+                if h.op_id > self.op_seq + OP_WINDOW:
+                    raise ProtocolError(f"rank {h.src} sent data for op {h.op_id}, but rank "
+                                        f"{self.rank} is at op {self.op_seq}")
+                conn.t_hdr = now
+                return None
+            self._check(slot, h, conn)
+            conn.t_hdr = now
+            if h.offset in slot.done:
+                return None
+            slot.writers += 1
+            conn.cur_slot = slot
+            return slot.view[h.offset:h.offset + h.length]
+
+    def release_target(self, conn):
+        with self.cond:
+            slot = getattr(conn, "cur_slot", None)
+            if slot is not None:
+                slot.writers -= 1
+                conn.cur_slot = None
+                self.cond.notify_all()
+
+    def data_done(self, conn, h):
+        now = time.monotonic()
+        with self.cond:
+            slot = conn.cur_slot
+            conn.cur_slot = None
+            slot.writers -= 1
+            # queue the ACK before the op can complete (and the app close the connection)
+            self._ack(conn, h, False)
+            self._mark(slot, h, conn.t_hdr, now, conn.arr_hdr, conn.arr_end)
+            if self.trace:
+                self.events.emit("rx", rail=conn.rail, peer=conn.peer, op=h.op_id, step=h.step,
+                                 off=h.offset, len=h.length, t0=conn.t_hdr)
+            if slot.writers == 0:
+                self.cond.notify_all()
+
+    def data_staged(self, conn, h, buf):
+        now = time.monotonic()
+        err = None
+        with self.cond:
+            if self.closing or self.error is not None:
+                return
+            key = (h.op_id, h.step, h.src)
+            slot = self.slots.get(key)
+            if slot is not None:             # posted meanwhile, or a duplicate
+                self._check(slot, h, conn)
+                self._ack(conn, h, False)
+                if h.offset not in slot.done:
+                    slot.view[h.offset:h.offset + h.length] = buf
+                    self._mark(slot, h, conn.t_hdr, now, conn.arr_hdr, conn.arr_end)
+                ack = False
+            elif h.op_id <= self.done_op:    # late duplicate of a finished op
+                ack = True
+            elif h.op_id <= self.posted_op:
+                raise self._unexpected(h)
+            else:
+                err = self._stage(conn, h, buf, key, now)
+                ack = False
+        if err is not None:
+            raise err
+        if ack:
+            self._ack(conn, h, False)
+
+    def _stage(self, conn, h, buf, key, now):
+        """Keep a frame whose receive is not posted yet; the error if staging overflows."""
+        # tell the sender the bytes arrived (progress for its watchdog) without
+        # completing the chunk: that ACK comes when the receive is posted
+        conn.put(self._ack_frame(conn, h, ACK_PROGRESS))
+        self.staged.setdefault(key, []).append((h, buf, conn.t_hdr, now, conn.arr_hdr,
+                                                conn.arr_end))
+        self.staged_bytes += len(buf)
+        if self.staged_bytes > self.staging_limit:
+            return ProtocolError(f"staging area overflow ({self.staged_bytes} bytes "
+                                 f"arrived before their receives were posted)")
+        return None

@@ -1,0 +1,120 @@
+"""Send side of the engine: a message cut into chunks over the rails, ACKs, start-up samples.
+
+The split comes from the balancer (the same on every rank); each chunk is queued on its
+rail's connection and stays unacknowledged until the receiver's ACK, so that a failed rail's
+chunks can be moved (failover.py). Start-up cost samples (a_r) come from small shares: send
+start -> last ACK, minus the bytes' time at the rail's b_r.
+"""
+from __future__ import annotations
+
+import time
+
+from .. import wire
+from ..errors import AllRailsDownError, ProtocolError
+from .messages import A_SAMPLE_MAX, ACK_PROGRESS, SendChunk, SendMsg
+
+
+class Sending:
+    """Mixin of Engine (state in core.Engine.__init__)."""
+
+    def _queue(self, conn, ch):
+        """Queue a data chunk on a connection and account it for the progress watchdog."""
+        if conn.unacked == 0:
+            conn.busy_since = time.monotonic()
+        conn.unacked += 1
+        conn.put(ch)
+
+    def _settle(self, ch):
+        c = self.conns.get((ch.msg.dst, ch.rail))
+        if c is not None and c.unacked > 0:
+            c.unacked -= 1
+
+    def send(self, dst, op_id, step, view, kind, dtype, redop, op_total, aux=0, elem=1) -> SendMsg:
+        key = (op_id, step, dst)
+        msg = SendMsg(key, dst, view, kind, dtype, redop, op_total, aux)
+        with self.cond:
+            if self.error is not None:
+                raise self.error
+            live = self.live_rails(dst) or self.live_rails(dst, data=False)
+            if not live:
+                raise AllRailsDownError(f"no live rail to rank {dst}")
+            self._cut(msg, self.balancer.split(len(view), elem, live))
+            self.sends[key] = msg
+            for ch in msg.chunks:
+                self._queue(self.conns[(dst, ch.rail)], ch)
+        return msg
+
+    def _cut(self, msg: SendMsg, plan) -> None:
+        """The balancer's (rail, offset, length) shares -> chunks of at most chunk_bytes."""
+        cb = self.balancer.chunk_bytes
+        for rail, off, length in plan:
+            msg.share[rail] = length
+            if length == 0:
+                msg.chunks.append(SendChunk(msg, len(msg.chunks), off, 0, rail))
+                continue
+            pos = off
+            end = off + length
+            while pos < end:
+                n = min(cb, end - pos)
+                msg.chunks.append(SendChunk(msg, len(msg.chunks), pos, n, rail))
+                pos += n
+        msg.unacked = len(msg.chunks)
+
+    # ------------------------------------------------------------------ connection callbacks
+    def before_send(self, conn, ch: SendChunk):
+        with self.cond:
+            if ch.acked or ch.msg.complete or ch.rail != conn.rail:
+                return None
+            msg = ch.msg
+            now = time.monotonic()
+            ch.t_send = now
+            ch.tries += 1
+            msg.t0.setdefault(conn.rail, now)
+        hdr = wire.Header(wire.DATA, kind=msg.kind, dtype=msg.dtype, redop=msg.redop,
+                          rail=conn.rail, src=self.rank, aux=msg.aux, op_id=msg.key[0],
+                          step=msg.key[1], chunk=ch.idx, offset=ch.offset, length=ch.length,
+                          msg_total=msg.total, op_total=msg.op_total).pack()
+        return hdr, msg.view[ch.offset:ch.offset + ch.length]
+
+    def after_send(self, conn, ch: SendChunk):
+        if self.trace:
+            self.events.emit("tx", rail=conn.rail, peer=conn.peer, op=ch.msg.key[0],
+                             step=ch.msg.key[1], off=ch.offset, len=ch.length, t0=ch.t_send)
+        c = self.events.rails[conn.rail]
+        c.bytes_sent += ch.length
+        c.chunks_sent += 1
+
+    def on_ack(self, conn, h):
+        now = time.monotonic()
+        conn.last_ack = now
+        if h.op_total == ACK_PROGRESS:
+            return
+        with self.cond:
+            msg = self.sends.get((h.op_id, h.step, h.src))
+            if msg is None or h.chunk >= len(msg.chunks):
+                return
+            ch = msg.chunks[h.chunk]
+            if ch.acked:
+                return
+            if ch.offset != h.offset or ch.length != h.aux:
+                raise ProtocolError(f"rank {h.src} acknowledged chunk {h.chunk} with wrong "
+                                    f"offset/length")
+            ch.acked = True
+            self._settle(ch)
+            msg.unacked -= 1
+            if not h.op_total:
+                self._sample_a(msg, ch.rail, ch.tries, now)
+            if msg.unacked == 0:
+                msg.complete = True
+                self.cond.notify_all()
+
+    def _sample_a(self, msg: SendMsg, rail: int, tries: int, now: float) -> None:
+        """A small share fully acknowledged at its first try: one start-up sample a_r."""
+        share = msg.share.get(rail, 0)
+        if share <= A_SAMPLE_MAX and tries == 1 and rail in msg.t0:
+            if all(c.acked for c in msg.chunks if c.rail == rail):
+                t = now - msg.t0[rail]
+                b = self.balancer.est[rail].b if rail < len(self.balancer.est) else float("nan")
+                if b == b:
+                    t -= share * b
+                self.balancer.record_a(rail, t)
