@@ -40,20 +40,22 @@ def state_ids() -> set[str]:
     return {p.stem for p in state.STATE_DIR.glob("*.json")} if state.STATE_DIR.is_dir() else set()
 
 
+def topology_file(tmp_path: Path, name: str, hosts: int, rails: str) -> Path:
+    p = tmp_path / f"{name}.yaml"
+    p.write_text(f"name: {name}\nhosts: {hosts}\nrails: [{rails}]\n")
+    return p
+
+
 @pytest.fixture
 def small(tmp_path) -> Path:
-    p = tmp_path / "small.yaml"
-    p.write_text("name: small\nhosts: 2\nrails: [{name: r0, bandwidth: 100mbit}, "
-                 "{name: r1, bandwidth: 50mbit, loss: 1%}]\n")
-    return p
+    return topology_file(tmp_path, "small", 2, "{name: r0, bandwidth: 100mbit}, "
+                         "{name: r1, bandwidth: 50mbit, loss: 1%}")
 
 
 @pytest.fixture
 def big(tmp_path) -> Path:
-    p = tmp_path / "big.yaml"
-    p.write_text("name: big\nhosts: 24\nrails: [{name: r0, bandwidth: 100mbit}, "
-                 "{name: r1, bandwidth: 100mbit}, {name: r2, bandwidth: 100mbit}]\n")
-    return p
+    return topology_file(tmp_path, "big", 24, "{name: r0, bandwidth: 100mbit}, "
+                         "{name: r1, bandwidth: 100mbit}, {name: r2, bandwidth: 100mbit}")
 
 
 def run_id_of(up_output: str) -> str:
