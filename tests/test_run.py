@@ -143,3 +143,43 @@ expect: {wrong_results: 0}
     assert set(by) == {"nezha", "single"}
     assert (tmp_path / "cmp" / "busbw.png").stat().st_size > 5000
     assert out.metrics["busbw_vs_single_rail"] is not None
+
+
+def test_an_interrupted_run_tears_down_in_reverse_order(tmp_path, monkeypatch):
+    """Ctrl-C (or SIGTERM) during the workload: fault injector, sampler, capture, fabric are
+    undone in reverse order of being set up, each exactly once. Fakes, no namespaces."""
+    from testbed.run import runner as runner_mod
+    calls: list[str] = []
+
+    class Fake:
+        def __init__(self, name, *a, **kw):
+            self.name, self.hosts = name, ["h1", "h2"]
+
+        def __getattr__(self, step):
+            def call(*a, **kw):
+                calls.append(f"{self.name}.{step}")
+                if step == "run":
+                    raise KeyboardInterrupt
+                return 0.0 if step == "teardown" else self
+            return call
+
+    class FakeFabric(Fake):
+        build_seconds, state = 0.0, type("S", (), {"run_id": 1})
+
+        def __init__(self, *a, **kw):
+            super().__init__("fabric")
+
+    monkeypatch.setattr(runner_mod, "probe", lambda: None)
+    monkeypatch.setattr(runner_mod, "check_capabilities", lambda topo, caps: None)
+    monkeypatch.setattr(runner_mod, "fabric_class", lambda topo: FakeFabric)
+    for cls, name in (("Capture", "capture"), ("Sampler", "sampler"),
+                      ("FaultInjector", "injector"), ("WorkloadRunner", "runner")):
+        monkeypatch.setattr(runner_mod, cls, lambda *a, _n=name, **kw: Fake(_n))
+    topo = spec.loads("name: stop\nhosts: 2\nrails: [{name: r0, bandwidth: 100mbit}]\n"
+                      "capture: true\nworkload: {kind: allreduce, size: 1MiB, iterations: 3}\n"
+                      "faults: [{at: 1s, action: link-down, target: h2.r0, for: 1s}]\n")
+    with pytest.raises(KeyboardInterrupt):
+        run_topology(topo, tmp_path / "r", say=lambda m: None)
+    assert calls == ["fabric.build", "capture.start", "sampler.start", "injector.start",
+                     "runner.run", "injector.stop", "sampler.stop", "capture.stop",
+                     "fabric.teardown"]

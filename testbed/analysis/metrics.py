@@ -13,7 +13,8 @@ All times are CLOCK_MONOTONIC seconds (shared by every namespace of the machine)
 kernel samples, Nezha events and iteration records are compared directly.
 
 This module: the iteration table, counts and bus bandwidth, the steady-state rail shares, and
-the driver ``compute``; detection, failover and recovery per fault are in failover.py.
+the driver ``compute``; detection, failover and recovery per fault are defined in
+failover.py and applied to every fault of the run in faults.py.
 """
 from __future__ import annotations
 
@@ -24,7 +25,8 @@ from typing import Any, Iterable, Mapping, Optional, Sequence, Union
 
 import numpy as np
 
-from testbed.analysis.failover import SETTLE_S, FaultTallies, analyse_faults, shares
+from testbed.analysis.failover import SETTLE_S, shares
+from testbed.analysis.faults import FaultTallies, analyse_faults
 from testbed.analysis.sampler import Rates, Samples
 from testbed.model.records import (FaultRecord, IterationRecord, Metrics, as_faults,
                                    as_iterations, is_num)
