@@ -1,14 +1,16 @@
-"""capabilities.probe(): real probing in a scratch namespace that never outlives the probe."""
+"""capabilities.probe(): real probing in a scratch namespace that never outlives the probe; and
+netns.call_in, the one way in-process work enters a namespace."""
 from __future__ import annotations
 
 import os
 import shutil
+import socket
 import subprocess
 import time
 
 import pytest
 
-from testbed.kernel import capabilities
+from testbed.kernel import capabilities, netns
 from testbed.kernel.capabilities import Capabilities, probe
 
 pytestmark = pytest.mark.netns
@@ -36,7 +38,7 @@ def test_probe_reports_this_kernel_and_leaves_nothing_behind():
     caps = probe(refresh=True)
     elapsed = time.monotonic() - t0
     assert elapsed < 1.0, f"probe took {elapsed:.3f}s"
-    assert not os.path.exists(f"/run/netns/nzt-probe-{os.getpid()}")
+    assert not netns.exists(f"nzt-probe-{os.getpid()}")
     for feature in ("netns", "veth", "bridge", "htb", "tbf", "nftables"):
         assert getattr(caps, feature), f"{feature}: {caps.details.get(feature)}"
     # netem: whatever the probe says must agree with tc itself; here (no sch_netem) it is False
@@ -69,7 +71,7 @@ def test_probe_cleans_up_on_error(monkeypatch):
         raise RuntimeError("injected")
     monkeypatch.setattr(capabilities, "_probe_nft", boom)
     caps = probe(refresh=True)
-    assert not os.path.exists(f"/run/netns/nzt-probe-{os.getpid()}")
+    assert not netns.exists(f"nzt-probe-{os.getpid()}")
     assert caps.nftables is False and "injected" in caps.details["nftables"]
     assert caps.htb  # what was probed before the failure is still reported
     monkeypatch.undo()
@@ -90,3 +92,24 @@ def test_rows_and_loss_method():
     assert caps.to_dict()["loss_method"] == "nftables"
     with pytest.raises(Exception):
         caps.htb = False  # frozen
+
+
+@needs_root
+def test_call_in_enters_the_namespace_on_a_worker_only():
+    """fn runs inside the namespace (its sockets stay there); the caller's thread never moves,
+    errors come back to the caller, and a worker calling call_in again does not deadlock."""
+    ns = f"nzt-callin-{os.getpid()}"
+    own = os.readlink("/proc/thread-self/ns/net")
+    netns.create(ns)
+    try:
+        names = [n for _, n in netns.call_in(ns, socket.if_nameindex)]
+        assert names == ["lo"]
+        assert "lo" in [n for _, n in netns.call_in(None, socket.if_nameindex)]
+        nested = netns.call_in(None, netns.call_in, ns, socket.if_nameindex)
+        assert [n for _, n in nested] == ["lo"]
+        with pytest.raises(ZeroDivisionError):
+            netns.call_in(ns, lambda: 1 / 0)
+        assert netns.call_in(None, os.readlink, "/proc/thread-self/ns/net") == own
+        assert os.readlink("/proc/thread-self/ns/net") == own
+    finally:
+        netns.remove(ns)

@@ -8,8 +8,6 @@ from pathlib import Path
 
 import pytest
 
-from testbed.kernel.capabilities import probe
-
 pytest_plugins = ["pytester"]
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
