@@ -9,7 +9,9 @@ where namespaces live (``NETNS_DIR``) and how to get inside one; there are exact
   that setns()es into the namespace for the one call and back again (about 1 ms for an nft
   batch, against about 7 ms for forking ``nsenter nft``). setns() changes only the calling
   thread, so the caller's threads never change namespace; a socket opened by ``fn`` keeps the
-  namespace it was created in after the worker has come back.
+  namespace it was created in after the worker has come back. One worker per lane, calls in
+  order: ``netns`` for calls the caller waits for, ``netns-bg`` for nft deletions nobody waits
+  for (acked only after an RCU grace period, 8-40 ms).
 """
 from __future__ import annotations
 
