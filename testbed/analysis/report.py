@@ -60,7 +60,7 @@ def versions() -> dict:
         except Exception:
             out[mod] = None
     try:
-        root = Path(__file__).resolve().parent.parent
+        root = Path(__file__).resolve().parents[2]
         r = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True,
                            text=True, timeout=5)
         out["git"] = r.stdout.strip() or None

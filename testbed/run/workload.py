@@ -20,7 +20,7 @@ from testbed.model.records import IterationRecord, load_jsonl
 from testbed.model.scenario import Workload
 
 BASE_PORT = 29500
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 @dataclass
