@@ -16,6 +16,7 @@ from typing import Any, Optional
 import numpy as np
 
 from . import wire
+from .engine.messages import Desc
 
 UFUNCS = {"sum": np.add, "prod": np.multiply, "max": np.maximum, "min": np.minimum}
 
@@ -88,8 +89,8 @@ class _Ring:
         self.B = nblocks(len(arr), n, self.esz, call.pipe_block)
         self.scratch = np.empty_like(arr)
         self.bv, self.sv = byteview(arr), byteview(self.scratch)
-        self.dtc = wire.DTYPE_CODES[arr.dtype.name]
-        self.rc = wire.REDOP_CODES[redop]
+        self.desc = Desc(kind, wire.DTYPE_CODES[arr.dtype.name], wire.REDOP_CODES[redop],
+                         arr.nbytes)
         self.uf = UFUNCS[redop]
         self.sub = [[bd[j] + x for x in bounds(bd[j + 1] - bd[j], self.B)] for j in range(n)]
         self.ag0 = (n - 1) * self.B       # first allgather step id
@@ -116,15 +117,13 @@ class _Ring:
             for b in range(self.B):
                 lo, hi = self.bytes_(segment(k), b)
                 slots[k, b] = self.eng.post_recv(self.call.op_id, step0 + k * self.B + b,
-                                                 self.left, view[lo:hi], self.kind, self.dtc,
-                                                 self.rc, self.arr.nbytes)
+                                                 self.left, view[lo:hi], self.desc)
         return slots
 
     def send(self, step, j, b):
         lo, hi = self.bytes_(j, b)
         self.sends.append(self.eng.send(self.right, self.call.op_id, step, self.bv[lo:hi],
-                                        self.kind, self.dtc, self.rc, self.arr.nbytes,
-                                        elem=self.esz))
+                                        self.desc, elem=self.esz))
 
     def run(self) -> None:
         n, B, arr, scratch, dl = self.n, self.B, self.arr, self.scratch, self.call.deadline
@@ -162,8 +161,7 @@ def ring_allgather(call: Call, out, count, kind=wire.K_ALLGATHER) -> None:
     right, left = (r + 1) % n, (r - 1) % n
     esz = out.dtype.itemsize
     bv = byteview(out)
-    dtc = wire.DTYPE_CODES[out.dtype.name]
-    op_total = count * esz
+    desc = Desc(kind, wire.DTYPE_CODES[out.dtype.name], 0, count * esz)
 
     def seg(j):
         return j * count * esz, (j + 1) * count * esz
@@ -171,12 +169,12 @@ def ring_allgather(call: Call, out, count, kind=wire.K_ALLGATHER) -> None:
     slots = []
     for k in range(n - 1):
         lo, hi = seg((r - k - 1) % n)
-        slots.append(eng.post_recv(op_id, k, left, bv[lo:hi], kind, dtc, 0, op_total))
+        slots.append(eng.post_recv(op_id, k, left, bv[lo:hi], desc))
     eng.posted(op_id)
     sends = []
     for k in range(n - 1):
         lo, hi = seg((r - k) % n)
-        sends.append(eng.send(right, op_id, k, bv[lo:hi], kind, dtc, 0, op_total, elem=esz))
+        sends.append(eng.send(right, op_id, k, bv[lo:hi], desc, elem=esz))
         eng.wait_recv(slots[k], deadline)
     eng.wait_sent(sends, deadline)
 
@@ -207,22 +205,21 @@ def chain_broadcast(call: Call, arr, root, kind=wire.K_BROADCAST) -> None:
     nxt = (r + 1) % n if pos < n - 1 else None
     esz = arr.dtype.itemsize
     bv = byteview(arr)
-    dtc = wire.DTYPE_CODES[arr.dtype.name]
+    desc = Desc(kind, wire.DTYPE_CODES[arr.dtype.name], 0, arr.nbytes, aux=root)
     B = max(1, min(MAX_BLOCKS, arr.nbytes // BCAST_BLOCK))
     cut = bounds(len(arr), B)
     slots = []
     if prev is not None:
         for b in range(B):
-            slots.append(eng.post_recv(op_id, b, prev, bv[cut[b] * esz:cut[b + 1] * esz], kind,
-                                       dtc, 0, arr.nbytes, aux=root))
+            slots.append(eng.post_recv(op_id, b, prev, bv[cut[b] * esz:cut[b + 1] * esz], desc))
     eng.posted(op_id)
     sends = []
     for b in range(B):
         if prev is not None:
             eng.wait_recv(slots[b], deadline)
         if nxt is not None:
-            sends.append(eng.send(nxt, op_id, b, bv[cut[b] * esz:cut[b + 1] * esz], kind, dtc, 0,
-                                  arr.nbytes, aux=root, elem=esz))
+            sends.append(eng.send(nxt, op_id, b, bv[cut[b] * esz:cut[b + 1] * esz], desc,
+                                  elem=esz))
     eng.wait_sent(sends, deadline)
 
 
@@ -233,13 +230,13 @@ def star_broadcast(call: Call, arr, root, kind=wire.K_BROADCAST) -> None:
         return
     esz = arr.dtype.itemsize
     bv = byteview(arr)
-    dtc = wire.DTYPE_CODES[arr.dtype.name]
+    desc = Desc(kind, wire.DTYPE_CODES[arr.dtype.name], 0, arr.nbytes, aux=root)
     if r == root:
         eng.posted(op_id)
-        sends = [eng.send(p, op_id, 0, bv, kind, dtc, 0, arr.nbytes, aux=root, elem=esz)
+        sends = [eng.send(p, op_id, 0, bv, desc, elem=esz)
                  for p in range(n) if p != root]
         eng.wait_sent(sends, deadline)
     else:
-        slot = eng.post_recv(op_id, 0, root, bv, kind, dtc, 0, arr.nbytes, aux=root)
+        slot = eng.post_recv(op_id, 0, root, bv, desc)
         eng.posted(op_id)
         eng.wait_recv(slot, deadline)

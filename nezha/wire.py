@@ -88,20 +88,21 @@ MAX_CONTROL_PAYLOAD = 64 << 10  # HELLO / ABORT / CONTROL payloads
 
 @dataclass(frozen=True)
 class Header:
-    type: int
-    kind: int = 0
-    dtype: int = 0
-    redop: int = 0
-    rail: int = 0
-    src: int = 0
-    aux: int = 0
-    op_id: int = 0
-    step: int = 0
-    chunk: int = 0
-    offset: int = 0
-    length: int = 0
-    msg_total: int = 0
-    op_total: int = 0
+    """The fields after magic and version, in wire order (see the layout above)."""
+    type: int           # byte 5
+    kind: int = 0       # 6
+    dtype: int = 0      # 7
+    redop: int = 0      # 8
+    rail: int = 0       # 9
+    src: int = 0        # 10
+    aux: int = 0        # 12
+    op_id: int = 0      # 16
+    step: int = 0       # 24
+    chunk: int = 0      # 28
+    offset: int = 0     # 32
+    length: int = 0     # 40
+    msg_total: int = 0  # 44
+    op_total: int = 0   # 52
 
     def pack(self) -> bytes:
         """The 64 bytes on the wire (CRC included)."""

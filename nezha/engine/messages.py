@@ -3,10 +3,22 @@ chunks (SendChunk). A message is named (op_id, step, peer); a chunk by its byte 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 A_SAMPLE_MAX = 64 << 10
 ACK_PROGRESS = 2     # ACK.op_total: 0 = delivered, 1 = delivered after staging, 2 = progress only
 OP_WINDOW = 64
+
+
+@dataclass(frozen=True)
+class Desc:
+    """What every DATA frame of one collective call says about the call (wire codes); a
+    receiver checks it against its own, so a mismatch is an error, never a wrong result."""
+    kind: int
+    dtype: int = 0
+    redop: int = 0
+    op_total: int = 0       # bytes of the sender's whole buffer
+    aux: int = 0            # broadcast root
 
 
 class RecvSlot:
@@ -14,11 +26,11 @@ class RecvSlot:
                  "got", "frames", "first", "last", "rbytes", "writers", "complete", "t_post",
                  "afirst", "alast")
 
-    def __init__(self, key, view, kind, dtype, redop, op_total, aux):
+    def __init__(self, key, view, d: Desc):
         self.key = key
         self.view = view
         self.total = len(view)
-        self.kind, self.dtype, self.redop, self.op_total, self.aux = kind, dtype, redop, op_total, aux
+        self.kind, self.dtype, self.redop, self.op_total, self.aux = d.kind, d.dtype, d.redop, d.op_total, d.aux
         self.done: dict[int, int] = {}
         self.got = 0
         self.frames = 0
@@ -46,10 +58,10 @@ class SendMsg:
     __slots__ = ("key", "dst", "view", "total", "kind", "dtype", "redop", "op_total", "aux",
                  "chunks", "unacked", "t0", "share", "complete")
 
-    def __init__(self, key, dst, view, kind, dtype, redop, op_total, aux):
+    def __init__(self, key, dst, view, d: Desc):
         self.key, self.dst, self.view = key, dst, view
         self.total = len(view)
-        self.kind, self.dtype, self.redop, self.op_total, self.aux = kind, dtype, redop, op_total, aux
+        self.kind, self.dtype, self.redop, self.op_total, self.aux = d.kind, d.dtype, d.redop, d.op_total, d.aux
         self.chunks: list[SendChunk] = []
         self.unacked = 0
         self.t0: dict[int, float] = {}

@@ -13,7 +13,7 @@ import time
 from .. import wire
 from ..balance import B_MIN_BYTES
 from ..errors import CommError, MismatchError, ProtocolError
-from .messages import ACK_PROGRESS, OP_WINDOW, RecvSlot
+from .messages import ACK_PROGRESS, OP_WINDOW, Desc, RecvSlot
 
 
 class Receiving:
@@ -45,9 +45,10 @@ class Receiving:
                 f"{d(h.kind, h.dtype, h.redop, h.op_total, h.msg_total, h.aux)} but rank {self.rank} called "
                 f"{d(slot.kind, slot.dtype, slot.redop, slot.op_total, slot.total, slot.aux)}")
 
-    def post_recv(self, op_id, step, src, view, kind, dtype, redop, op_total, aux=0) -> RecvSlot:
+    def post_recv(self, op_id, step, src, view, desc: Desc) -> RecvSlot:
+        """Expect message (op_id, step) from ``src`` into ``view``; staged frames land now."""
         key = (op_id, step, src)
-        slot = RecvSlot(key, view, kind, dtype, redop, op_total, aux)
+        slot = RecvSlot(key, view, desc)
         err = None
         with self.cond:
             self.slots[key] = slot

@@ -11,7 +11,7 @@ import time
 
 from .. import wire
 from ..errors import AllRailsDownError, ProtocolError
-from .messages import A_SAMPLE_MAX, ACK_PROGRESS, SendChunk, SendMsg
+from .messages import A_SAMPLE_MAX, ACK_PROGRESS, Desc, SendChunk, SendMsg
 
 
 class Sending:
@@ -29,9 +29,10 @@ class Sending:
         if c is not None and c.unacked > 0:
             c.unacked -= 1
 
-    def send(self, dst, op_id, step, view, kind, dtype, redop, op_total, aux=0, elem=1) -> SendMsg:
+    def send(self, dst, op_id, step, view, desc: Desc, elem=1) -> SendMsg:
+        """Send message (op_id, step) to ``dst``, split over the rails in units of ``elem``."""
         key = (op_id, step, dst)
-        msg = SendMsg(key, dst, view, kind, dtype, redop, op_total, aux)
+        msg = SendMsg(key, dst, view, desc)
         with self.cond:
             if self.error is not None:
                 raise self.error

@@ -10,7 +10,7 @@ import pytest
 
 from nezha import wire
 from nezha.config import Config
-from nezha.engine import Engine
+from nezha.engine import Desc, Engine
 from nezha.events import Events
 from nezha.transport.base import Connection, recv_exact_into
 
@@ -39,7 +39,7 @@ def test_sample_is_arrivals_over_the_share_time():
     eng = Engine(0, 2, 2, rec, Events(0, 2), Config(timeout=5.0))
     total = 1 << 20
     buf = memoryview(bytearray(total))
-    slot = eng.post_recv(7, 0, 1, buf, wire.K_ALLREDUCE, 0, 0, total)
+    slot = eng.post_recv(7, 0, 1, buf, Desc(wire.K_ALLREDUCE, 0, 0, total))
     half = total // 2
     # the first header is read at t=10.0, when 400 KiB of the share were already queued
     # (arrived = 400 KiB + header); the whole share is in by t=10.05, plus 100 KiB of what follows
@@ -59,7 +59,7 @@ def test_a_share_that_was_all_queued_gives_no_sample():
     rec = Recorder()
     eng = Engine(0, 2, 2, rec, Events(0, 2), Config(timeout=5.0))
     total = 1 << 20
-    slot = eng.post_recv(7, 0, 1, memoryview(bytearray(total)), wire.K_ALLREDUCE, 0, 0, total)
+    slot = eng.post_recv(7, 0, 1, memoryview(bytearray(total)), Desc(wire.K_ALLREDUCE, 0, 0, total))
     with eng.cond:
         eng._mark(slot, header(0, 0, total, total), 10.0, 10.001, total, total + 1000)
     assert slot.complete and rec.b == []     # it says nothing about the rail's speed
