@@ -12,21 +12,21 @@ variable                    type     default         meaning
 ==========================  =======  ==============  ===============================================
 NEZHA_RANK                  int      (none; -1)      this process's rank
 NEZHA_WORLD_SIZE            int      (none; 0)       number of ranks
-NEZHA_RAILS                 list     (none)          rails: IPv4 addresses or interface names, comma-separated
+NEZHA_RAILS                 list     (none)          rails: IPv4 addresses or interface names, a,b
 NEZHA_MASTER_ADDR           str      (none)          store host (with NEZHA_MASTER_PORT)
 NEZHA_MASTER_PORT           int      (none)          store port
 NEZHA_MASTER                str      (none)          HOST:PORT of the store (worker and bench only;
                                                      the worker also takes ADDR + PORT)
-NEZHA_SYSTEM                str      nezha           nezha | single | stripe | mptcp (| gloo: worker)
+NEZHA_SYSTEM                str      nezha           nezha|single|stripe|mptcp (gloo: worker)
 NEZHA_TIMEOUT               float    30              s for rendezvous and for each collective wait
 NEZHA_EVENT_LOG             path     (none)          JSON-lines event log (nezha/events.py)
 NEZHA_LOG_OPS               flag     0               1: call / op_start / op_end events
 NEZHA_STORE_EXTERNAL        flag     0               1: rank 0 does not serve the store
-NEZHA_SOCKBUF               int      (autotuning)    SO_SNDBUF/SO_RCVBUF bytes; 0 = kernel autotuning
-NEZHA_TCP_USER_TIMEOUT_MS   int      the timeout     TCP_USER_TIMEOUT per socket; 0 = the context timeout
+NEZHA_SOCKBUF               int      (autotuning)    SO_SNDBUF/SO_RCVBUF bytes; 0 = autotuning
+NEZHA_TCP_USER_TIMEOUT_MS   int      the timeout     TCP_USER_TIMEOUT; 0 = the context timeout
 NEZHA_NOTSENT_LOWAT         int      262144          TCP_NOTSENT_LOWAT bytes (256 KiB); 0 = off
 NEZHA_TCP_CONGESTION        str      (host default)  per-socket congestion control, e.g. cubic
-NEZHA_STAGING_LIMIT         int      1073741824      bytes staged before their receive (1 GiB); 0 = default
+NEZHA_STAGING_LIMIT         int      1073741824      bytes staged before their receive; 0 = 1 GiB
 NEZHA_PIPE_BLOCK            int      2097152         ring pipeline block bytes (2 MiB)
 NEZHA_WATCHDOG_MS           float    60              least stall before the watchdog checks a rail
 NEZHA_CHECK_TIMEOUT_MS      float    100             wait for the peer's "bytes arrive?" answer
@@ -42,7 +42,7 @@ NEZHA_WARMUP                int      0               worker: untimed iterations 
 NEZHA_DTYPE                 str      float32         worker: element type
 NEZHA_OP                    str      sum             worker: reduction op
 NEZHA_RESULTS               path     (none)          worker: JSON-lines results
-NEZHA_RAIL_NAMES            list     -               set by the testbed for its logs; nezha ignores it
+NEZHA_RAIL_NAMES            list     -               set by the testbed; nezha ignores it
 ==========================  =======  ==============  ===============================================
 
 .. [#] only when NEZHA_DURATION is not given either.

@@ -36,7 +36,7 @@ from .errors import ConfigError
 from .events import Events
 from .exchange import maybe_exchange
 from .health import Health
-from .kinds import DTYPES, OPS, SYSTEMS  # noqa: F401  (DTYPES: nezha.context.DTYPES as before)
+from .kinds import OPS, SYSTEMS
 from .rails import parse_rails
 from .rendezvous import Member, Rendezvous
 from .transport import make_transport

@@ -25,7 +25,8 @@ def maybe_exchange(eng, balancer, events, nbytes: int) -> None:
     out[rank * mine.size:(rank + 1) * mine.size] = mine
     op_id = eng.begin_op()
     try:
-        collectives.ring_allgather(collectives.Call(eng, op_id), out, mine.size, kind=wire.K_CONTROL)
+        collectives.ring_allgather(collectives.Call(eng, op_id), out, mine.size,
+                                   kind=wire.K_CONTROL)
     finally:
         eng.end_op(op_id)
     tables = out.reshape(world, nrails, 4)

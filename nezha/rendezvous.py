@@ -303,13 +303,15 @@ class _Admission:
     def __init__(self, rdv: Rendezvous, deadline: float):
         me = rdv.me
         self.rdv, self.deadline = rdv, deadline
-        self.expected = {(p, r) for p in range(me.rank + 1, me.world_size) for r in range(me.nrails)}
+        self.expected = {(p, r) for p in range(me.rank + 1, me.world_size)
+                         for r in range(me.nrails)}
         self.socks: dict = {}
         self.errors: list = []
         self.lock = threading.Lock()
 
     def admit(self, rail, s, m):
-        if m["session"] != self.rdv.session or m["rail"] != rail or (m["rank"], rail) not in self.expected:
+        if (m["session"] != self.rdv.session or m["rail"] != rail
+                or (m["rank"], rail) not in self.expected):
             raise ConnectionError(f"unexpected HELLO {m}")
         with self.lock:
             if (m["rank"], rail) in self.socks:
@@ -319,7 +321,8 @@ class _Admission:
     def accept_loop(self, rail, lsock):
         while True:
             with self.lock:
-                if all((p, rail) in self.socks for p, r in self.expected if r == rail) or self.errors:
+                done = all((p, rail) in self.socks for p, r in self.expected if r == rail)
+                if done or self.errors:
                     return
             left = self.deadline - time.monotonic()
             if left <= 0:

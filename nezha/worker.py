@@ -6,8 +6,8 @@
 
 Every flag also comes from the environment (NEZHA_RANK, NEZHA_WORLD_SIZE, NEZHA_RAILS,
 NEZHA_MASTER or NEZHA_MASTER_ADDR + NEZHA_MASTER_PORT, NEZHA_SYSTEM, NEZHA_SIZE,
-NEZHA_ITERATIONS, NEZHA_WARMUP, NEZHA_DURATION, NEZHA_DTYPE, NEZHA_OP, NEZHA_EVENT_LOG, NEZHA_RESULTS,
-NEZHA_TIMEOUT), read once by nezha.config (the table of every variable is there).
+NEZHA_ITERATIONS, NEZHA_WARMUP, NEZHA_DURATION, NEZHA_DTYPE, NEZHA_OP, NEZHA_EVENT_LOG,
+NEZHA_RESULTS, NEZHA_TIMEOUT), read once by nezha.config (the table of every variable is there).
 
 Every iteration starts with a barrier (not timed), so its time is the collective's, not the
 ranks' skew on entry.

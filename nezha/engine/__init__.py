@@ -13,5 +13,5 @@ sender may move unacknowledged chunks of a failed rail to the surviving ones.
   failover    a failed connection: reroute its chunks, report it, or fail the job
 """
 from .core import Engine  # noqa: F401
-from .messages import (A_SAMPLE_MAX, ACK_PROGRESS, OP_WINDOW, Desc, RecvSlot, SendChunk,  # noqa: F401
-                       SendMsg)
+from .messages import (A_SAMPLE_MAX, ACK_PROGRESS, OP_WINDOW, Desc, RecvSlot,  # noqa: F401
+                       SendChunk, SendMsg)

@@ -30,7 +30,8 @@ class RecvSlot:
         self.key = key
         self.view = view
         self.total = len(view)
-        self.kind, self.dtype, self.redop, self.op_total, self.aux = d.kind, d.dtype, d.redop, d.op_total, d.aux
+        self.kind, self.dtype, self.redop = d.kind, d.dtype, d.redop
+        self.op_total, self.aux = d.op_total, d.aux
         self.done: dict[int, int] = {}
         self.got = 0
         self.frames = 0
@@ -61,7 +62,8 @@ class SendMsg:
     def __init__(self, key, dst, view, d: Desc):
         self.key, self.dst, self.view = key, dst, view
         self.total = len(view)
-        self.kind, self.dtype, self.redop, self.op_total, self.aux = d.kind, d.dtype, d.redop, d.op_total, d.aux
+        self.kind, self.dtype, self.redop = d.kind, d.dtype, d.redop
+        self.op_total, self.aux = d.op_total, d.aux
         self.chunks: list[SendChunk] = []
         self.unacked = 0
         self.t0: dict[int, float] = {}
