@@ -24,7 +24,8 @@ Modules, in the order data flows:
   testing      run ranks as local processes on loopback rails
 """
 from .errors import *  # noqa: F401,F403
+from .config import Config  # noqa: F401
 from .context import Context  # noqa: F401
 from .kinds import SYSTEMS  # noqa: F401
 
-__all__ = ["Context", "SYSTEMS"]
+__all__ = ["Config", "Context", "SYSTEMS"]

@@ -118,10 +118,10 @@ class Header:
 _field_values = operator.attrgetter(*(f.name for f in fields(Header)))
 
 
-def pack(*args, **kw) -> bytes:
-    """``Header(*args, **kw).pack()``. nezha builds its frames by keyword (``Header(...)``,
-    ``frame``); the positional form (wire order) stays for captures and tests."""
-    return Header(*args, **kw).pack()
+def pack(**fields_: int) -> bytes:
+    """``Header(**fields).pack()``: headers are built by keyword only, so a field can never be
+    taken for its neighbour."""
+    return Header(**fields_).pack()
 
 
 def frame(type_: int, payload: bytes = b"", **fields_) -> bytes:
