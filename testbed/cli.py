@@ -118,7 +118,7 @@ def cmd_status(args) -> int:
         for r in runs:
             fab = Fabric.attach(r)
             out.append(fab.status())
-            fab._close()
+            fab.close()
         print(json.dumps(out, indent=1))
         return 0
     if not runs:
@@ -127,7 +127,7 @@ def cmd_status(args) -> int:
     for r in runs:
         fab = Fabric.attach(r)
         _print_status(fab)
-        fab._close()
+        fab.close()
     return 0
 
 

@@ -206,7 +206,7 @@ class Fabric:
                 if proc.poll() is None:
                     proc.kill()
                     proc.wait()
-        self._close()
+        self.close()
         self._destroy()
         if self.state is not None:
             self.state.remove_all()
@@ -221,10 +221,11 @@ class Fabric:
         assert self.state is not None
         self.state.detached = True
         self.state.save()
-        self._close()
+        self.close()
         self.state = None
 
-    def _close(self) -> None:
+    def close(self) -> None:
+        """Release this process's netlink sockets; the fabric itself stays as it is."""
         for ipr in self._ipr.values():
             try:
                 ipr.close()
