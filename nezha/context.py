@@ -222,6 +222,13 @@ class Context:
         both directions (like a link that drops everything), without any socket error."""
         self._engine.conns[(peer, rail)].blackhole = True
 
+    def _debug_silence(self):
+        """Test hook: this rank stops moving bytes on every connection, present and future,
+        without any socket error (a hung host). A per-connection black hole is undone by
+        the re-probe's fresh connection, which is right for one rail but not for a rank that
+        went silent as a whole."""
+        self._engine.silenced = True
+
     # ------------------------------------------------------------------ teardown
     def _teardown(self):
         eng = self._engine

@@ -39,6 +39,7 @@ class Engine(Receiving, Sending, Agreement, Failover):
         self.posted_op = -1
         self.done_op = -1
         self.closing = False
+        self.silenced = False     # test hook (Context._debug_silence)
         self._aborted = False
         # rail -> {(reporting rank, peer)}: a rail somebody reported down is not used for data
         self.rail_down_reports: dict[int, set] = {}

@@ -233,7 +233,7 @@ class Connection:
         try:
             while True:
                 item = self.q.get()
-                while self.blackhole and self.alive:
+                while self._silent() and self.alive and not self.closing:
                     time.sleep(0.005)
                 self._flush_control(sock)
                 if item is _WAKE:
@@ -284,11 +284,16 @@ class Connection:
                 break
         return cur - (cur if ref is None else ref)
 
+    def _silent(self) -> bool:
+        """Test hooks: this connection (``blackhole``) or the whole rank (the handler's
+        ``silenced``, which also covers connections made later) moves no bytes."""
+        return self.blackhole or getattr(self.handler, "silenced", False)
+
     def _read_loop(self):
         hview = memoryview(bytearray(wire.HEADER_SIZE))
         try:
             while True:
-                while self.blackhole and self.alive:
+                while self._silent() and self.alive and not self.closing:
                     time.sleep(0.005)
                 if not self.alive:
                     return

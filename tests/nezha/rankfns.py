@@ -264,10 +264,7 @@ def silent_peer(rank, world, port, victim=1, timeout=3.0):
     with make_ctx(rank, world, port, 2, timeout=timeout) as ctx:
         ctx.barrier()
         if rank == victim:
-            for p in range(world):
-                if p != rank:
-                    for r in range(2):
-                        ctx._debug_blackhole(p, r)
+            ctx._debug_silence()
         a = np.ones(1 << 18, dtype=np.float32)
         t0 = time.monotonic()
         try:
