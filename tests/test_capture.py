@@ -52,7 +52,7 @@ def rank_env(fab, host: str, rank: int, world: int, port: int, events: Path) -> 
 
 
 def run_allreduce(fab, out: Path, size: int, iters: int, port: int = 29611) -> list[dict]:
-    """Launch one rank per host like testbed/workload.py (``python -m nezha.worker`` with NEZHA_*
+    """Launch one rank per host like testbed/run/workload.py (``python -m nezha.worker`` with NEZHA_*
     in the environment, inside the host via Host.popen); returns each rank's summary record
     (``rail_bytes``: bytes Nezha sent per rail index) after checking every iteration is exact."""
     worker = (REPO / "nezha" / "worker.py").exists()

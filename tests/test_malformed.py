@@ -1,7 +1,7 @@
 """Malformed Nezha frames against a live endpoint inside the testbed.
 
 A 2-host fabric; rank 0 (the endpoint, and the rendezvous store) runs on h2, listening on h2's
-rail addresses. Frames are crafted with the scapy layer (testbed/dissect.py) and sent over TCP
+rail addresses. Frames are crafted with the scapy layer (testbed/pcap/dissect.py) and sent over TCP
 from h1, in two ways:
 
 * in-band: rank 1 on h1 is a legitimate member that, after one correct allreduce, pushes

@@ -16,7 +16,7 @@ from testbed.analysis import metrics
 from testbed.analysis import timeline
 from testbed.model import spec
 from testbed.analysis import verdict
-from testbed.model.records import FaultRecord
+from testbed.model.records import FaultRecord, as_iterations
 from testbed.model.scenario import build as build_scenario
 
 RATE = 100e6  # bit/s each host receives on a rail while it is active
@@ -300,8 +300,7 @@ def test_iterations_lost_and_wrong_results_counting():
 
 def test_killed_rank_in_flight_counts_as_lost():
     # every rank completed 0..4; rank 1 was killed during 5 and wrote nothing more
-    recs = iteration_records(world=2, n=5)
-    recs.append({"rank": 0, "summary": True})
+    recs = as_iterations(iteration_records(world=2, n=5) + [{"rank": 0, "summary": True}])
     counts = metrics.iteration_counts(metrics.iteration_table(recs, 2), recs)
     assert counts["iterations"] == 5 and counts["iterations_lost"] == 1
 

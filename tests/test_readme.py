@@ -83,7 +83,7 @@ def test_validation_messages_are_the_documented_ones(tmp_path):
 
 @pytest.mark.netns
 def test_python_api_example_runs(no_leftovers):
-    code = next(b for b in blocks("python") if "from testbed.runner import run_topology" in b)
+    code = next(b for b in blocks("python") if "from testbed.run.runner import run_topology" in b)
     code = code.replace("rail-outage.yaml", "dual-rail.yaml")   # same API, quicker scenario
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                        timeout=300)

@@ -70,12 +70,12 @@ def fault_rails(f: FaultRecord, rails: Sequence[str]) -> list[str]:
 
 
 def fault_start(f: FaultRecord) -> float:
-    """When a fault began to take effect: when its first change was issued (``t_issued``).
-    A rail-wide fault takes one netlink change per link end, which can take tens of ms on a
-    loaded machine; a rank may see its own link go down before the last one is changed, so
-    times are measured from the first change, which counts the injection time against Nezha
-    rather than for it."""
-    return f.start
+    """When a fault began to take effect: when its first change was issued (``t_issued``),
+    else ``t_applied``. A rail-wide fault takes one netlink change per link end, which can take
+    tens of ms on a loaded machine; a rank may see its own link go down before the last one is
+    changed, so times are measured from the first change, which counts the injection time
+    against Nezha rather than for it."""
+    return f.t_issued if is_num(f.t_issued) else f.t_applied
 
 
 def _runs(mask: np.ndarray) -> list[tuple[int, int]]:

@@ -28,8 +28,7 @@ import numpy as np
 from testbed.analysis.failover import SETTLE_S, shares
 from testbed.analysis.faults import FaultTallies, analyse_faults
 from testbed.analysis.sampler import Rates, Samples
-from testbed.model.records import (FaultRecord, IterationRecord, Metrics, as_faults,
-                                   as_iterations, is_num)
+from testbed.model.records import FaultRecord, IterationRecord, Metrics, as_iterations, is_num
 from testbed.model.scenario import METRICS, SHARE_PREFIX, sized_metric
 
 BIN_S = 0.02             # goodput bin
@@ -37,7 +36,6 @@ ACTIVITY_FLOOR = 0.01    # traffic below 1 % of the rails' nominal sum is backgr
 ACTIVITY_FLOOR_BPS = 1e6  # ... or below 1 Mbit/s when a rail is unshaped
 
 Span = tuple[float, float]
-Iterations = Iterable[Union[IterationRecord, Mapping]]
 
 
 # ------------------------------------------------------------------------------- iterations
@@ -57,7 +55,8 @@ def _table_row(key: tuple, recs: list[IterationRecord], n: int) -> dict:
     return row
 
 
-def iteration_table(iterations: Iterations, world: Optional[int] = None) -> list[dict]:
+def iteration_table(iterations: Iterable[IterationRecord], world: Optional[int] = None
+                    ) -> list[dict]:
     """One row per iteration (key: phase, system, bytes, iter), merged over ranks.
 
     ``latency_s`` = max over ranks of (t_end - t_start): how long the slowest rank spent in the
@@ -66,7 +65,7 @@ def iteration_table(iterations: Iterations, world: Optional[int] = None) -> list
     end. Summary lines and records without ``iter`` are ignored."""
     groups: dict[tuple, list[IterationRecord]] = {}
     ranks_in_phase: dict[Any, set] = {}
-    for r in as_iterations(iterations):
+    for r in iterations:
         if not r.is_iteration:
             continue
         key = (r.phase, r.system, r.bytes, r.iter)
@@ -79,7 +78,8 @@ def iteration_table(iterations: Iterations, world: Optional[int] = None) -> list
     return rows
 
 
-def iteration_counts(table: Sequence[dict], iterations: Iterations = ()) -> dict:
+def iteration_counts(table: Sequence[dict], iterations: Sequence[IterationRecord] = ()
+                     ) -> dict:
     """iterations: rows complete on every rank. iterations_lost: rows some rank recorded but not
     every rank; plus, per phase in which a rank wrote no final summary line (killed or crashed)
     while the others finished theirs or died too, the iteration in flight when it died (counted
@@ -88,7 +88,6 @@ def iteration_counts(table: Sequence[dict], iterations: Iterations = ()) -> dict
     ``wrong_records``)."""
     complete = [r for r in table if r["complete"]]
     partial = [r for r in table if not r["complete"]]
-    iterations = as_iterations(iterations)
     summaries = [r for r in iterations if r.summary]
     lost = len(partial)
     in_flight = 0
@@ -354,11 +353,12 @@ def _sampler_detail(samples: Optional[Samples]) -> Optional[dict]:
 
 
 # ------------------------------------------------------------------------------- compute
-def compute(topo, scenario, samples: Optional[Samples], iterations: Iterations,
-            events: Sequence[dict], faults: Iterable[Union[FaultRecord, Mapping, None]],
-            t0: float, extra: Optional[dict] = None) -> Metrics:
+def compute(topo, scenario, samples: Optional[Samples],
+            iterations: Iterable[Union[IterationRecord, Mapping]], events: Sequence[dict],
+            faults: Sequence[FaultRecord], t0: float, extra: Optional[dict] = None) -> Metrics:
     """Every metric of ``scenario.METRICS`` plus ``rail_share.<rail>``, with notes, per-fault
-    rows and detail. Definitions (also in each helper's docstring):
+    rows and detail. ``iterations``: the ranks' lines, as records or as the dicts they wrote
+    (converted here, once). Definitions (also in each helper's docstring):
 
     * goodput: per rail, the sum over its hosts of the kernel rx_bytes deltas at the host end
       (bytes delivered to hosts, L2 incl. headers) per 20 ms bin, in bit/s; total = sum of
@@ -384,7 +384,7 @@ def compute(topo, scenario, samples: Optional[Samples], iterations: Iterations,
     * rank_errors = ``extra['rank_errors']`` (a count, or a list whose length is taken).
     """
     extra = dict(extra or {})
-    iterations, faults = as_iterations(iterations), as_faults(faults)
+    iterations = as_iterations(iterations)
     table = iteration_table(iterations, _world(topo, scenario, extra))
     run = _Run(topo, scenario, iterations, table, _main_system(scenario, table), extra,
                {r.name: nominal_rate_bps(topo, r.name) for r in topo.rails}, t0)

@@ -1,5 +1,5 @@
-"""Measurement independent of Nezha: kernel counters of every link, sampled on one monotonic clock,
-and the logs the ranks wrote, merged into one timeline.
+"""Measurement independent of Nezha: kernel counters of every link, sampled on one monotonic clock
+(the logs the ranks wrote are merged with them in ``timeline.py``).
 
 * ``Sampler`` reads the counters of every host end of every link: ONE netlink RTM_GETLINK dump
   per host namespace per tick (every 10 ms by default), each stamped with ``time.monotonic()``

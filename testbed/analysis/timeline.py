@@ -16,13 +16,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Mapping, Optional, Sequence, Union
 
-from testbed.model.records import (FaultRecord, IterationRecord, as_faults, as_iterations,
-                                   jsonable, load_jsonl)
+from testbed.model.records import (FaultRecord, IterationRecord, as_iterations, jsonable,
+                                   load_jsonl)
 
 if TYPE_CHECKING:
     from testbed.analysis.sampler import Samples
 
-__all__ = ["Timeline", "load_events", "load_iterations", "load_jsonl", "rail_name"]
+__all__ = ["Timeline", "load_events", "load_iterations", "rail_name"]
 
 
 # ---------------------------------------------------------------------------------- logs
@@ -32,7 +32,7 @@ def load_iterations(paths: Iterable[str | Path]
     ``iter`` are ignored; a missing summary (killed rank) is simply absent."""
     recs, summaries = [], []
     for p in paths:
-        for rec in as_iterations(load_jsonl(p)):
+        for rec in map(IterationRecord.from_dict, load_jsonl(p)):
             if rec.summary:
                 summaries.append(rec)
             elif rec.has_iter:
@@ -117,12 +117,12 @@ class Timeline:
 
     @classmethod
     def merge(cls, samples: Optional["Samples"] = None,
-              faults: Sequence[Union[FaultRecord, Mapping]] = (),
+              faults: Sequence[FaultRecord] = (),
               events: Sequence[dict] = (),
               iterations: Sequence[Union[IterationRecord, Mapping]] = (),
               t0: Optional[float] = None, rails: Optional[Sequence[str]] = None,
               summary_s: float = 0.1, min_idle: float = 0.04) -> "Timeline":
-        faults, iterations = as_faults(faults), as_iterations(iterations)
+        iterations = as_iterations(iterations)   # records, or the dicts the ranks wrote
         if t0 is None:
             cands = [f.t_applied for f in faults if f.t_applied is not None]
             if samples:

@@ -1,19 +1,15 @@
 """Expectations against metrics: pass or fail, always with the measured value and the bound.
 
 A metric that was not measured (None) fails its expectation with "not measured" and the reason
-the metrics module gave; it never passes by default.
-
-``Verdict``, ``Row`` and ``format_value`` live in ``testbed.model.records`` (a verdict crosses
-the run boundary in ``RunOutcome``); they are re-exported here.
+the metrics module gave; it never passes by default. ``Verdict`` and ``Row`` are records
+(testbed.model.records): a verdict crosses the run boundary in ``RunOutcome``.
 """
 from __future__ import annotations
 
 from typing import Sequence
 
-from testbed.model.records import UNITS, Metrics, Row, Verdict, format_value
+from testbed.model.records import Metrics, Row, Verdict
 from testbed.model.scenario import SHARE_PREFIX, SIZED_PREFIX, Expectation
-
-__all__ = ["UNITS", "Row", "Verdict", "format_value", "judge"]
 
 
 def _why_not_measured(metric: str, notes: dict) -> str:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, fields
 from typing import Optional
 
 from testbed.kernel import netns, tc
-from testbed.kernel.nftables import NFT_TABLE, nft_run
+from testbed.kernel.nftables import NFT_MOD, ingress_chain_script, nft_rule, nft_run
 
 IPPROTO_MPTCP = getattr(socket, "IPPROTO_MPTCP", 262)
 FEATURES = ("netns", "veth", "bridge", "htb", "tbf", "netem", "nftables", "mptcp",
@@ -190,10 +190,8 @@ def _probe_nft(ns: str, dev: str, res: dict, details: dict) -> None:
         res["nftables"] = False
         details["nftables"] = "nft not found on PATH (apt-get install nftables)"
         return
-    script = (f"add table netdev {NFT_TABLE}\n"
-              f"add chain netdev {NFT_TABLE} probe {{ type filter hook ingress device \"{dev}\" "
-              f"priority -500; policy accept; }}\n"
-              f"add rule netdev {NFT_TABLE} probe numgen random mod 1000000 < 1 counter drop\n")
+    # the shaper's own loss rule and chain (numgen random mod 1000000 < 1 counter drop)
+    script = ingress_chain_script("probe", dev, [nft_rule(1 / NFT_MOD)])
     try:
         run = nft_run(ns, ["-f", "-"], stdin=script)
     except Exception as e:

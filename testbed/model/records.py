@@ -2,13 +2,14 @@
 iteration lines) and what the analysis made of it (per-fault metrics, the metrics, the verdict).
 
 The run (``testbed.run``) produces ``FaultRecord`` and ``IterationRecord``; the analysis
-(``testbed.analysis``) reads them and produces ``FaultMetrics``, ``Metrics`` and ``Verdict``. Both
-import this module and nothing else of each other, so data flows one way.
+(``testbed.analysis``) reads them and produces ``FaultMetrics``, ``Metrics`` and ``Verdict``.
+The analysis imports nothing of the run (only these records), so data flows one way; only the
+pipeline driver, ``run/runner.py``, calls into the analysis.
 
-JSON conversion lives here and only here: every record has ``to_dict`` (exactly the keys
-results.json, timeline.jsonl and the tests have always used) and ``from_dict`` (tolerant: a rank
-killed mid-write or a hand-written test dict may lack keys). ``jsonable`` turns what is left
-(numpy numbers, non-finite floats, sets) into plain JSON.
+JSON conversion lives here and only here: ``to_dict`` gives exactly the keys results.json and
+timeline.jsonl have always had; ``IterationRecord.from_dict`` reads a line a rank wrote
+(tolerant: a garbled line or a hand-written test dict may lack keys). ``jsonable`` turns what is
+left (numpy numbers, non-finite floats, sets) into plain JSON.
 """
 from __future__ import annotations
 
@@ -94,10 +95,6 @@ class Toggle:
     def to_dict(self) -> dict:
         return {"t": self.t, "state": self.state}
 
-    @classmethod
-    def from_dict(cls, d: Mapping) -> "Toggle":
-        return cls(d.get("t"), d.get("state", ""))
-
 
 @dataclass
 class FaultRecord:
@@ -121,34 +118,12 @@ class FaultRecord:
     links: list[str] = field(default_factory=list)
     toggles: list[Toggle] = field(default_factory=list)
 
-    @property
-    def start(self) -> Optional[float]:
-        """When the fault began to take effect: its first change (``t_issued``), else
-        ``t_applied``. See analysis.failover.fault_start for why."""
-        return self.t_issued if is_num(self.t_issued) else self.t_applied
-
     def to_dict(self) -> dict:
         return {"index": self.index, "action": self.action, "target": self.target,
                 "target_kind": self.target_kind, "label": self.label, "at": self.at,
                 "for": self.duration, "t_issued": self.t_issued, "t_applied": self.t_applied,
                 "t_end": self.t_end, "rails": list(self.rails), "links": list(self.links),
                 "toggles": [t.to_dict() for t in self.toggles]}
-
-    @classmethod
-    def from_dict(cls, d: Mapping) -> "FaultRecord":
-        return cls(index=d.get("index"), action=d.get("action") or "",
-                   target=str(d.get("target", "")), target_kind=d.get("target_kind"),
-                   label=d.get("label"), at=d.get("at"), duration=d.get("for"),
-                   t_issued=d.get("t_issued"), t_applied=d.get("t_applied"),
-                   t_end=d.get("t_end"), rails=list(d.get("rails") or ()),
-                   links=list(d.get("links") or ()),
-                   toggles=[Toggle.from_dict(t) for t in d.get("toggles") or ()])
-
-
-def as_faults(faults: Iterable[Union[FaultRecord, Mapping, None]]) -> list[FaultRecord]:
-    """Fault records, from records or their dicts (tests, a results.json); None is dropped."""
-    return [f if isinstance(f, FaultRecord) else FaultRecord.from_dict(f)
-            for f in faults if f is not None]
 
 
 # ------------------------------------------------------------------------------------ iterations
@@ -185,14 +160,6 @@ class IterationRecord:
     def done(self) -> bool:
         """Both ends of the collective were recorded."""
         return self.t_start is not None and self.t_end is not None
-
-    def to_dict(self) -> dict:
-        """The line again (keys the rank did not write, and false flags, left out)."""
-        out = {k: getattr(self, k) for k in self._KEYS
-               if getattr(self, k) is not None and getattr(self, k) is not False}
-        if self.has_iter:
-            out["iter"] = self.iter
-        return {**self.extra, **out}
 
     @classmethod
     def from_dict(cls, d: Mapping) -> "IterationRecord":
@@ -278,21 +245,6 @@ class FaultMetrics:
                        recovery_by_rail=self.recovery.by_rail, recovery_note=self.recovery.note)
         return out
 
-    @classmethod
-    def from_dict(cls, d: Mapping) -> "FaultMetrics":
-        det = fo = rec = None
-        if "detection_ms" in d:
-            det = Detection(d["detection_ms"], dict(d.get("detection_by_rail") or {}))
-        if "failover_ms" in d:
-            fo = Failover(d["failover_ms"], d.get("failover_note"),
-                          **{k: d.get(k) for k in Failover._OPTIONAL})
-        if "recovery_ms" in d:
-            rec = Recovery(d["recovery_ms"], d.get("recovery_note"),
-                           dict(d.get("recovery_by_rail") or {}))
-        return cls(d.get("index", 0), d.get("label"), d.get("action") or "",
-                   list(d.get("rails") or ()), d.get("t_applied_rel"), d.get("t_end_rel"),
-                   det, fo, d.get("iteration_stall_ms"), rec)
-
 
 # ------------------------------------------------------------------------------------ metrics
 @dataclass
@@ -328,17 +280,6 @@ class Metrics(Mapping):
                 out["faults"] = faults
         out.setdefault("faults", faults)
         return out
-
-    def to_dict(self) -> dict:
-        """The three parts results.json keeps apart: metrics, notes, detail."""
-        return {"metrics": dict(self.values), "notes": dict(self.notes),
-                "detail": self.detail_dict()}
-
-    @classmethod
-    def from_dict(cls, d: Mapping) -> "Metrics":
-        detail = dict(d.get("detail") or {})
-        faults = [FaultMetrics.from_dict(f) for f in detail.get("faults") or ()]
-        return cls(dict(d.get("metrics") or {}), dict(d.get("notes") or {}), faults, detail)
 
 
 # ------------------------------------------------------------------------------------ verdict
@@ -408,8 +349,3 @@ class Verdict:
                 "rows": [{"metric": r.metric, "expected": r.expected, "measured": r.measured,
                           "ok": r.ok, "status": r.status, "note": r.note} for r in self.rows],
                 "failures": self.failures}
-
-    @classmethod
-    def from_dict(cls, d: Mapping) -> "Verdict":
-        return cls([Row(r["metric"], r["expected"], r["measured"], bool(r["ok"]),
-                        r.get("note") or "") for r in d.get("rows") or ()])
