@@ -11,12 +11,13 @@ step 0..n-2 per message; broadcast is a star (step 0) for small messages and a p
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 import numpy as np
 
 from . import wire
-from .engine.messages import Desc
+from .config import Config
+from .engine import Desc
 
 UFUNCS = {"sum": np.add, "prod": np.multiply, "max": np.maximum, "min": np.minimum}
 
@@ -33,7 +34,7 @@ def byteview(arr: np.ndarray) -> memoryview:
     return memoryview(arr.reshape(-1).view(np.uint8))
 
 
-PIPE_BLOCK = 2 << 20      # default of NEZHA_PIPE_BLOCK (config.py)
+PIPE_BLOCK = Config.pipe_block      # NEZHA_PIPE_BLOCK's default
 MAX_BLOCKS = 16
 
 
@@ -45,7 +46,6 @@ class Call:
     eng: Any
     op_id: int
     pipe_block: int = PIPE_BLOCK
-    deadline: Optional[float] = None
 
 
 def nblocks(count: int, n: int, esz: int, pipe_block: int = PIPE_BLOCK) -> int:
@@ -65,12 +65,11 @@ def ring_allreduce(call: Call, arr, redop, kind=wire.K_ALLREDUCE) -> None:
         _Ring(call, arr, redop, kind, shift=0, rs_only=False).run()
 
 
-def ring_reduce_scatter(call: Call, arr, redop) -> int:
+def ring_reduce_scatter(call: Call, arr, redop) -> None:
     """The reduce-scatter half of ring_allreduce, in place on ``arr``: rank r then owns the
-    reduction of segment r (its neighbours' copies are partial). Returns r."""
+    reduction of segment r (its neighbours' copies are partial)."""
     if call.eng.world > 1:
         _Ring(call, arr, redop, wire.K_REDUCE_SCATTER, shift=-1, rs_only=True).run()
-    return call.eng.rank
 
 
 class _Ring:
@@ -81,7 +80,7 @@ class _Ring:
         eng = call.eng
         n, r = eng.world, eng.rank
         self.call, self.eng, self.arr, self.n, self.r = call, eng, arr, n, r
-        self.shift, self.rs_only, self.kind = shift, rs_only, kind
+        self.shift, self.rs_only = shift, rs_only
         self.owned = (r + 1 + shift) % n
         self.right, self.left = (r + 1) % n, (r - 1) % n
         self.esz = arr.dtype.itemsize
@@ -126,7 +125,7 @@ class _Ring:
                                         self.desc, elem=self.esz))
 
     def run(self) -> None:
-        n, B, arr, scratch, dl = self.n, self.B, self.arr, self.scratch, self.call.deadline
+        n, B, arr, scratch = self.n, self.B, self.arr, self.scratch
         rs_slots = self.post(0, self.rs_segment, self.sv)
         ag_slots = {} if self.rs_only else self.post(self.ag0, self.ag_segment, self.bv)
         self.eng.posted(self.call.op_id)
@@ -135,7 +134,7 @@ class _Ring:
         for k in range(n - 1):
             j = self.rs_segment(k)
             for b in range(B):
-                self.eng.wait_recv(rs_slots[k, b], dl)
+                self.eng.wait_recv(rs_slots[k, b])
                 a, e = self.elems(j, b)
                 if e > a:
                     self.uf(arr[a:e], scratch[a:e], out=arr[a:e])
@@ -146,15 +145,15 @@ class _Ring:
         for k in range(n - 1 if not self.rs_only else 0):
             j = self.ag_segment(k)
             for b in range(B):
-                self.eng.wait_recv(ag_slots[k, b], dl)
+                self.eng.wait_recv(ag_slots[k, b])
                 if k < n - 2:
                     self.send(self.ag0 + (k + 1) * B + b, j, b)
-        self.eng.wait_sent(self.sends, dl)
+        self.eng.wait_sent(self.sends)
 
 
 def ring_allgather(call: Call, out, count, kind=wire.K_ALLGATHER) -> None:
     """``out`` holds n segments of ``count`` elements; this rank's is already in place."""
-    eng, op_id, deadline = call.eng, call.op_id, call.deadline
+    eng, op_id = call.eng, call.op_id
     n, r = eng.world, eng.rank
     if n == 1:
         return
@@ -175,8 +174,8 @@ def ring_allgather(call: Call, out, count, kind=wire.K_ALLGATHER) -> None:
     for k in range(n - 1):
         lo, hi = seg((r - k) % n)
         sends.append(eng.send(right, op_id, k, bv[lo:hi], desc, elem=esz))
-        eng.wait_recv(slots[k], deadline)
-    eng.wait_sent(sends, deadline)
+        eng.wait_recv(slots[k])
+    eng.wait_sent(sends)
 
 
 BCAST_CHAIN_MIN = 256 << 10   # from this size on (and 3+ ranks) broadcast is a pipelined chain
@@ -196,7 +195,7 @@ def broadcast(call: Call, arr, root) -> None:
 def chain_broadcast(call: Call, arr, root, kind=wire.K_BROADCAST) -> None:
     """root -> root+1 -> ... -> root-1, in blocks: a rank forwards block b as soon as it has
     arrived, so all links work at once and the time tends to size / (rails' rate)."""
-    eng, op_id, deadline = call.eng, call.op_id, call.deadline
+    eng, op_id = call.eng, call.op_id
     n, r = eng.world, eng.rank
     if n == 1:
         return
@@ -216,15 +215,15 @@ def chain_broadcast(call: Call, arr, root, kind=wire.K_BROADCAST) -> None:
     sends = []
     for b in range(B):
         if prev is not None:
-            eng.wait_recv(slots[b], deadline)
+            eng.wait_recv(slots[b])
         if nxt is not None:
             sends.append(eng.send(nxt, op_id, b, bv[cut[b] * esz:cut[b + 1] * esz], desc,
                                   elem=esz))
-    eng.wait_sent(sends, deadline)
+    eng.wait_sent(sends)
 
 
 def star_broadcast(call: Call, arr, root, kind=wire.K_BROADCAST) -> None:
-    eng, op_id, deadline = call.eng, call.op_id, call.deadline
+    eng, op_id = call.eng, call.op_id
     n, r = eng.world, eng.rank
     if n == 1:
         return
@@ -235,8 +234,8 @@ def star_broadcast(call: Call, arr, root, kind=wire.K_BROADCAST) -> None:
         eng.posted(op_id)
         sends = [eng.send(p, op_id, 0, bv, desc, elem=esz)
                  for p in range(n) if p != root]
-        eng.wait_sent(sends, deadline)
+        eng.wait_sent(sends)
     else:
         slot = eng.post_recv(op_id, 0, root, bv, desc)
         eng.posted(op_id)
-        eng.wait_recv(slot, deadline)
+        eng.wait_recv(slot)

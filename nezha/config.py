@@ -1,10 +1,11 @@
 """Every NEZHA_* environment variable, read once, in one place.
 
-``Config.from_env()`` reads the library's variables (a frozen record handed to the parts that
-need them: transport, engine, collectives, health); ``Workload.from_env()`` reads those that
-only the launchers ``python -m nezha.worker`` / ``python -m nezha.bench`` use. Nothing else
-in nezha/ looks at the environment, so a value cannot differ between two modules, and a
-bad value is refused once, naming its variable. An empty value counts as unset. Arguments
+``Config.from_env()`` reads the library's variables (a frozen record the Context hands to the
+transport, engine, rendezvous and health, and from which it takes the event log and the
+collectives' pipeline block); ``Workload.from_env()`` reads those that only the launchers
+``python -m nezha.worker`` / ``python -m nezha.bench`` use. Nothing else in nezha/ looks at
+the environment, so a value cannot differ between two modules, and a bad value is refused
+once, naming its variable. An empty value counts as unset. Arguments
 given to ``Context(...)`` (or on a launcher's command line) win over the environment.
 
 ==========================  =======  ==============  ===============================================

@@ -72,7 +72,6 @@ class Context:
         self._health = None
         self._rdv = None
         self._lock = threading.Lock()
-        self._transport = None
         self._transport = make_transport("mptcp" if self.system == "mptcp" else "tcp",
                                          self.rail_addrs, cfg)
         self.nrails = self._transport.nrails

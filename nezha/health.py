@@ -21,10 +21,11 @@
    received nothing for HEARTBEAT_TIMEOUT is failed.
 4. Link events (optional, pyroute2): a rail interface going down fails its connections.
 5. TCP_USER_TIMEOUT on every socket (NEZHA_TCP_USER_TIMEOUT_MS) bounds kernel retries.
-WATCHDOG_MIN, CHECK_TIMEOUT, HEARTBEAT_INTERVAL and HEARTBEAT_TIMEOUT come from the config
-(NEZHA_WATCHDOG_MS, NEZHA_CHECK_TIMEOUT_MS, NEZHA_HEARTBEAT_MS, NEZHA_HEARTBEAT_TIMEOUT_MS).
+WATCHDOG_MIN, CHECK_TIMEOUT, HEARTBEAT_INTERVAL and HEARTBEAT_TIMEOUT are NEZHA_WATCHDOG_MS,
+NEZHA_CHECK_TIMEOUT_MS, NEZHA_HEARTBEAT_MS and NEZHA_HEARTBEAT_TIMEOUT_MS from the config
+(Health.watchdog_min, .check_timeout, .heartbeat_interval, .heartbeat_timeout, in seconds).
 
-A failed connection's unacknowledged chunks move to the surviving rails (engine.rail_failed)
+A failed connection's unacknowledged chunks move to the surviving rails (engine/failover.py)
 and every rank is told (CONTROL "down"): all stop using that rail for data, the split
 restarts COLD for the new rail set at the next estimate exchange. The higher rank of the
 pair re-connects with exponential back-off (PROBE_MIN .. PROBE_MAX); on success the rail

@@ -6,8 +6,11 @@ never ask for something the library refuses.
 """
 from __future__ import annotations
 
+from .wire import REDOPS
+
 # systems a Context runs; "gloo" (torch.distributed) comes from nezha.baselines
 SYSTEMS: tuple[str, ...] = ("nezha", "single", "stripe", "mptcp")
 ALL_SYSTEMS: tuple[str, ...] = SYSTEMS + ("gloo",)
 DTYPES: tuple[str, ...] = ("float32", "float64", "float16", "int32", "int64")
-OPS: tuple[str, ...] = ("sum", "max", "min", "prod")     # the wire's redop order
+# reduction ops: the wire's redop names (code 0 "none" aside), in code order
+OPS: tuple[str, ...] = tuple(name for code, name in sorted(REDOPS.items()) if code)

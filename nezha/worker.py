@@ -162,7 +162,7 @@ def run(a, config: Optional[Config] = None) -> int:
 
     ctx = make_context(a.system, rank=a.rank, world_size=a.world_size, rails=a.rails,
                        master=a.master, timeout=a.timeout, events=a.events,
-                       config=config if config is not None else Config.from_env(),
+                       config=config,
                        **({"log_ops": True} if a.log_ops and a.system != "gloo" else {}))
     tally = Tally(t_begin=time.monotonic(), rb0=dict(ctx.rail_bytes()))
     try:

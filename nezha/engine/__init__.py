@@ -6,12 +6,11 @@ named by its byte offset. Receivers accept a chunk from any rail and ignore repe
 sender may move unacknowledged chunks of a failed rail to the surviving ones.
 
   core        Engine: state, begin/end of an operation, waiting, fatal failure
-  messages    RecvSlot, SendMsg, SendChunk
+  messages    Desc (what a call's frames say about it), RecvSlot, SendMsg, SendChunk
   receive     posted receives, staging, ACKs sent, rate samples (b_r)
   send        chunking over rails, ACKs received, start-up samples (a_r)
   agreement   CONTROL frames; which rails every rank agrees are down
   failover    a failed connection: reroute its chunks, report it, or fail the job
 """
 from .core import Engine  # noqa: F401
-from .messages import (A_SAMPLE_MAX, ACK_PROGRESS, OP_WINDOW, Desc, RecvSlot,  # noqa: F401
-                       SendChunk, SendMsg)
+from .messages import Desc  # noqa: F401

@@ -1,5 +1,6 @@
-"""The engine's records: a posted receive (RecvSlot), a message being sent (SendMsg) and its
-chunks (SendChunk). A message is named (op_id, step, peer); a chunk by its byte offset."""
+"""The engine's records: what the frames of a call say about it (Desc), a posted receive
+(RecvSlot), a message being sent (SendMsg) and its chunks (SendChunk). A message is named
+(op_id, step, peer); a chunk by its byte offset."""
 from __future__ import annotations
 
 import time

@@ -157,7 +157,7 @@ _WAKE = object()
 
 
 class Connection:
-    """One socket to one peer on one rail. ``handler`` is the engine (see engine.py)."""
+    """One socket to one peer on one rail. ``handler`` is the engine (nezha/engine/)."""
 
     def __init__(self, sock: socket.socket, peer: int, rail: int, handler):
         self.sock = sock
@@ -182,7 +182,9 @@ class Connection:
         self.unacked = 0          # data chunks queued/sent here and not yet acknowledged
         self.busy_since = 0.0
         self.last_ack = 0.0
-        self.blackhole = False    # test hook: stop moving bytes, silently
+        # test hooks, checked once per frame: this connection (blackhole) or the whole rank
+        # (the engine's silenced, which also covers connections made later) moves no bytes
+        self.blackhole = False
         self.tcp_info_ok = True   # progress watchdog state (health.py)
         self.tcp_delivered = -1
         self.tcp_moved = 0.0
@@ -233,7 +235,7 @@ class Connection:
         try:
             while True:
                 item = self.q.get()
-                while self._silent() and self.alive and not self.closing:
+                while (self.blackhole or self.handler.silenced) and self.alive and not self.closing:
                     time.sleep(0.005)
                 self._flush_control(sock)
                 if item is _WAKE:
@@ -284,16 +286,11 @@ class Connection:
                 break
         return cur - (cur if ref is None else ref)
 
-    def _silent(self) -> bool:
-        """Test hooks: this connection (``blackhole``) or the whole rank (the handler's
-        ``silenced``, which also covers connections made later) moves no bytes."""
-        return self.blackhole or getattr(self.handler, "silenced", False)
-
     def _read_loop(self):
         hview = memoryview(bytearray(wire.HEADER_SIZE))
         try:
             while True:
-                while self._silent() and self.alive and not self.closing:
+                while (self.blackhole or self.handler.silenced) and self.alive and not self.closing:
                     time.sleep(0.005)
                 if not self.alive:
                     return

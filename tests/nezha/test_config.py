@@ -76,10 +76,52 @@ def test_every_variable_read_is_in_the_table():
     read = set(re.findall(r'"(NEZHA_[A-Z_]+)"', body))
     table = set(re.findall(r"^(NEZHA_[A-Z_]+) ", cfg.__doc__, re.M))
     assert read and read <= table, read - table
+    assert table - read == {"NEZHA_RAIL_NAMES"}, table - read   # no row for a variable gone
 
 
-def test_context_arguments_win_over_the_config():
-    from nezha.context import _settings
-    c = _settings(Config(rank=1, timeout=30.0, system="nezha"), rank=0, timeout=5.0,
-                  system=None)
-    assert (c.rank, c.timeout, c.system) == (0, 5.0, "nezha")
+def test_no_other_module_reads_the_environment():
+    """config.py is the only reader, so a variable cannot mean two things in two modules."""
+    import re
+    from pathlib import Path
+    import nezha
+    reads = re.compile(r"environ\.get|getenv|environ\[[^]]*\](?!\s*=[^=])")
+    for path in Path(nezha.__file__).parent.rglob("*.py"):
+        if path.name != "config.py":
+            assert not reads.search(path.read_text()), path
+
+
+def _env_for_one_rank(monkeypatch, **extra):
+    from nezha.testing import free_port
+    env = {"NEZHA_MASTER_ADDR": "127.0.0.1", "NEZHA_MASTER_PORT": str(free_port()),
+           "NEZHA_RANK": "0", "NEZHA_WORLD_SIZE": "1", "NEZHA_RAILS": "127.0.0.1", **extra}
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+
+
+def test_context_takes_the_environment_and_arguments_win(monkeypatch):
+    from nezha import Context
+    from nezha.testing import free_port
+    _env_for_one_rank(monkeypatch, NEZHA_TIMEOUT="7", NEZHA_SYSTEM="stripe")
+    with Context() as ctx:
+        assert (ctx.system, ctx.timeout, ctx.rank, ctx.world_size) == ("stripe", 7.0, 0, 1)
+    with Context(timeout=5, system="single", master=f"127.0.0.1:{free_port()}") as ctx:
+        assert (ctx.system, ctx.timeout) == ("single", 5.0)
+
+
+def test_a_given_config_replaces_the_environment(monkeypatch):
+    from nezha import Context
+    from nezha.testing import free_port
+    # refused if read (see test_a_bad_value_names_its_variable)
+    monkeypatch.setenv("NEZHA_TIMEOUT", "fast")
+    monkeypatch.setenv("NEZHA_SYSTEM", "bogus")
+    cfg = Config(rank=0, world_size=1, rails="127.0.0.1", master_addr="127.0.0.1",
+                 master_port=free_port(), timeout=4.0)
+    with Context(config=cfg) as ctx:
+        assert (ctx.system, ctx.timeout) == ("nezha", 4.0)
+
+
+def test_context_refuses_a_bad_variable_by_name(monkeypatch):
+    from nezha import Context
+    _env_for_one_rank(monkeypatch, NEZHA_HEARTBEAT_MS="often")
+    with pytest.raises(ConfigError, match="NEZHA_HEARTBEAT_MS='often'"):
+        Context()
