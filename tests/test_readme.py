@@ -83,7 +83,7 @@ def test_validation_messages_are_the_documented_ones(tmp_path):
 
 @pytest.mark.netns
 def test_python_api_example_runs(no_leftovers):
-    code = next(b for b in blocks("python") if "from testbed.run.runner import run_topology" in b)
+    code = next(b for b in blocks("python") if "from testbed.runner import run_topology" in b)
     code = code.replace("rail-outage.yaml", "dual-rail.yaml")   # same API, quicker scenario
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                        timeout=300)
@@ -97,3 +97,16 @@ def test_plugin_example_runs_as_a_user_file(pytester):
     pytester.makepyfile(test_readme_example=code)
     result = pytester.runpytest_subprocess("-p", "nezha_testbed", timeout=600)
     result.assert_outcomes(passed=1)
+
+
+def test_public_import_paths_keep_working():
+    """The paths users and the README import from survive any move inside the packages."""
+    code = ("from testbed import load, loads, Topology, SpecError\n"
+            "from testbed.fabric import Fabric, Host, Intf, Link, Rail\n"
+            "from testbed.runner import run_topology, run_file, RunOutcome\n"
+            "from testbed.run.runner import run_topology as inner\n"
+            "from nezha import Context, Config, SYSTEMS, NezhaError\n"
+            "assert run_topology is inner\n")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 0, r.stderr
