@@ -7,13 +7,14 @@ All used rails should finish together::
     s_r = (T - a_r) / b_r          (rails with a_r >= T get nothing)
 
 Estimates:
-  * b_r (seconds per byte) is measured by the *receiver*: for every rail share of at least
-    ``B_MIN_BYTES`` it takes the bytes that reached the socket (read + still in the kernel's
-    receive queue, SIOCINQ) between the share's first header and its last byte, over that
-    time. Counting arrivals rather than reads matters: bytes that waited in the queue while
-    the reader thread was busy would otherwise look free and make a fast rail look up to 25 %
-    faster than it is. Receiver-side timing is immune to ACK queueing behind bulk data. The
-    estimate is total time / total bytes over the middle half of the last samples.
+  * b_r (seconds per byte) is what this rank's incoming shares on rail r took to *finish*
+    (costs.py): per message, from the moment the share could start (the message's first
+    header on any rail, or the end of the rail's previous share) to its last byte, summed per
+    operation. One sample per rail per operation of >= SAMPLE_MIN_OP bytes, however small the
+    shares (8 or 16 rails, many hosts); stalls (loss, a slow hop, a drained token bucket) are
+    charged, idling between pipeline blocks is not. The estimate is total time / total bytes
+    over the last ``WINDOW`` samples (an outlier is diluted, not dropped: a lossy rail's
+    stalls are part of its cost), trusted from MIN_SAMPLES samples spanning MIN_BUSY_S.
   * a_r (start-up seconds) is measured by the *sender* from small messages: send start ->
     ACK (minus s*b_r), minimum of the last samples (queueing only ever inflates a sample).
     Until measured it is ``A_NOMINAL``.
@@ -21,28 +22,29 @@ Estimates:
 Agreement (why all ranks split identically): every rank's local table ``[a, b, n]`` per rail
 is exchanged with a tiny allgather (collective kind CONTROL) at deterministic points (see
 ``want_exchange``: it depends only on the agreed state, the op count and the message size,
-which every rank shares). Each rank then computes the same agreed a_r, b_r (medians over
-ranks of the exact float64 values) and runs the same state machine, so split decisions are
-identical everywhere. (The receiver does not need the split for correctness: frames carry
-their offsets; identical splits keep the ring's links evenly loaded.)
+which every rank shares). Each rank then computes the same agreed a_r (median over ranks) and
+b_r: the *largest* over the ranks, because a ring moves at its slowest hop and every rank
+measures the hop into it (one slow attachment slows the whole rail). Each rank runs the same
+state machine on the same numbers, so split decisions are identical everywhere. (The
+receiver does not need the split for correctness: frames carry their offsets; identical
+splits keep the ring's links evenly loaded.)
 
-Exchange schedule (``want_exchange``): in COLD before the next op of >= EXCH_MIN_BYTES once
-``cold_interval`` ops have passed (1 at first; doubled up to 16 after each exchange that
-leaves the state COLD; back to 1 when the rail set changes or HOT falls back to COLD); in HOT
-every 16 such ops; in any state at least every 64 (COLD) / 128 (HOT) ops.
+Exchange schedule (``want_exchange``): in COLD before every op of >= EXCH_MIN_BYTES (the
+estimates take MIN_SAMPLES such ops); in HOT MIN_SAMPLES such ops after the model last moved
+(every rank then restarts its windows, so the next table measures the new split), doubling
+up to HOT_INTERVAL while it holds; in any state at least every 64 (COLD) / 128 (HOT) ops.
 
 Cold/hot state machine for the current set of live rails::
 
-    COLD --(every live rail has >= MIN_SAMPLES b samples on every rank, and two consecutive
-            agreed tables differ by < STABLE_TOL)--> HOT
-    HOT  --(rail set changes, or an agreed b_r moves > DRIFT_TOL from the one in use)--> COLD
+    COLD --(an agreed estimate for every live rail)--> HOT
+    HOT  --(the rail set changes)--> COLD
 
 COLD split: messages < COLD_SMALL bytes ride the single best rail (lowest agreed a), larger
 ones are split in equal shares. HOT split: the cost model above; messages below MIN_SPLIT
 bytes ride the best rail, and a rail is added only if it saves more than PER_RAIL_OVERHEAD
 seconds (CPU cost of driving one more rail). In HOT each agreed table moves the model in use
-half way towards it (smoothing), and only when that changes the shares of a 16 MiB message by
-more than HYSTERESIS (hysteresis).
+half way towards it (a damped iteration: a share's cost depends a little on its size), and
+only when that changes the shares of a 16 MiB message by more than HYSTERESIS.
 """
 from __future__ import annotations
 
@@ -54,11 +56,11 @@ import numpy as np
 COLD, HOT = "cold", "hot"
 
 A_NOMINAL = 100e-6
-B_MIN_BYTES = 512 << 10
-MIN_SAMPLES = 3
-STABLE_TOL = 0.25
-DRIFT_TOL = 0.5
-HYSTERESIS = 0.02
+WINDOW = 8             # cost samples (operations) per rail estimate
+MIN_BUSY_S = 0.02      # busy time an estimate must span (the kernel counts in 1-4 ms ticks)
+MIN_SAMPLES = 2
+HOT_INTERVAL = 16      # most ops between two exchanges in HOT while the split holds
+HYSTERESIS = 0.01
 COLD_SMALL = 64 << 10
 MIN_SPLIT = 32 << 10
 PER_RAIL_OVERHEAD = 50e-6
@@ -128,10 +130,9 @@ def equal_split(nbytes: int, rails, nrails: int, elem: int = 1) -> list[int]:
 class RailEstimator:
     """Local measurements of one rail (this rank's view)."""
 
-    def __init__(self, window: int = 8, alpha: float = 0.3):
+    def __init__(self, window: int = WINDOW):
         self.a = A_NOMINAL
         self.a_samples = 0
-        self.alpha = alpha
         self.b_window: deque = deque(maxlen=window)
         self.a_window: deque = deque(maxlen=2 * window)
 
@@ -145,21 +146,21 @@ class RailEstimator:
         self.a_samples += 1
 
     def record_b(self, nbytes: int, seconds: float):
-        if nbytes >= B_MIN_BYTES and seconds > 0:
+        """One operation's bytes on this rail and the time it was busy moving them (0 is a
+        valid time: the kernel's clock ticks every few ms, and sums are unbiased)."""
+        if nbytes > 0 and seconds >= 0:
             self.b_window.append((nbytes, seconds))
 
     @property
     def b(self) -> float:
-        """Seconds per byte over the window, as total time / total bytes of the middle half
-        of the samples by rate (from 4 samples on; large shares weigh more, outliers do not:
-        a sender that paused mid-share makes a slow one, a short burst a fast one)."""
-        if not self.b_window:
+        """Seconds per byte: total busy time / total bytes over the window; nan until the
+        window holds MIN_SAMPLES samples spanning MIN_BUSY_S."""
+        if len(self.b_window) < MIN_SAMPLES:
             return float("nan")
-        w = sorted(self.b_window, key=lambda x: x[1] / x[0])
-        if len(w) >= 4:
-            cut = len(w) // 4
-            w = w[cut:len(w) - cut]
-        return sum(t for _, t in w) / sum(n for n, _ in w)
+        t = sum(s for _, s in self.b_window)
+        if t < MIN_BUSY_S:
+            return float("nan")
+        return t / sum(n for n, _ in self.b_window)
 
     def reset(self):
         self.b_window.clear()
@@ -176,14 +177,14 @@ class RailState:
         self.b = [float("nan")] * nrails
         self.used_a = None
         self.used_b = None
-        self.prev_b = None
+        self.enough = False       # the last table had an estimate for every live rail
+        self.moved = False        # ...and it changed the model in use
         self.reason = "start"
 
     def _enter_cold(self, reason):
         changed = self.state != COLD
         self.state = COLD
         self.used_a = self.used_b = None
-        self.prev_b = None
         self.reason = reason
         return [("state", {"state": COLD, "reason": reason})] if changed else []
 
@@ -195,38 +196,39 @@ class RailState:
         return self._enter_cold("rail set changed")
 
     def observe(self, a, b, counts) -> list:
-        """Feed one agreed table. Returns a list of (event, fields) for the log."""
-        evs = []
+        """Feed one agreed table. Returns a list of (event, fields) for the log.
+
+        A table without an estimate for some live rail changes nothing (COLD stays COLD,
+        HOT keeps its model). The first complete one switches to HOT; later ones move the
+        model half way towards them (a share's cost depends a little on its size, e.g. a
+        token bucket that refills while a rail idles, so the split is found by a damped
+        iteration), and only if that moves some share of a 16 MiB message by more than
+        HYSTERESIS."""
         self.a = list(a)
-        self.b = list(b)
+        self.moved = False
         live = self.live
-        enough = all(counts[r] >= MIN_SAMPLES and b[r] > 0 for r in live)
+        self.enough = all(counts[r] >= MIN_SAMPLES and b[r] > 0 for r in live)
+        # a rail without a fresh estimate (windows restart whenever the model moves) keeps
+        # its last agreed one
+        self.b = [y if y > 0 else x for x, y in zip(self.b, b)]
+        if not self.enough:
+            return []
         if self.state == COLD:
-            stable = (enough and self.prev_b is not None and
-                      all(self.prev_b[r] > 0 and abs(b[r] - self.prev_b[r]) / self.prev_b[r] < STABLE_TOL
-                          for r in live))
-            self.prev_b = list(b) if enough else None
-            if stable:
-                self.state = HOT
-                self.used_a, self.used_b = list(a), list(b)
-                self.reason = "stable estimates"
-                evs.append(("state", {"state": HOT, "reason": self.reason}))
-                evs.append(("weights", self.weights_fields()))
-        else:
-            if not enough:
-                return evs + self._enter_cold("estimates missing")
-            drift = [r for r in live if abs(b[r] - self.used_b[r]) / self.used_b[r] > DRIFT_TOL]
-            if drift:
-                return evs + self._enter_cold(f"rate drift on rails {drift}")
-            # smooth: move half way towards the new estimates, then apply with hysteresis
-            sa = [(x + y) / 2 for x, y in zip(self.used_a, a)]
-            sb = [(x + y) / 2 if r in live else y for r, (x, y) in enumerate(zip(self.used_b, b))]
-            old = self.shares(REF_SIZE)
-            new = self._model_shares(REF_SIZE, sa, sb)
-            if max(abs(x - y) for x, y in zip(old, new)) > HYSTERESIS:
-                self.used_a, self.used_b = sa, sb
-                evs.append(("weights", self.weights_fields()))
-        return evs
+            self.state = HOT
+            self.used_a, self.used_b = list(a), list(b)
+            self.moved = True
+            self.reason = "estimates for every rail"
+            return [("state", {"state": HOT, "reason": self.reason}),
+                    ("weights", self.weights_fields())]
+        sa = [(x + y) / 2 for x, y in zip(self.used_a, a)]
+        sb = [(x + y) / 2 if r in live else y for r, (x, y) in enumerate(zip(self.used_b, b))]
+        old = self.shares(REF_SIZE)
+        new = self._model_shares(REF_SIZE, sa, sb)
+        if max(abs(x - y) for x, y in zip(old, new)) <= HYSTERESIS:
+            return []
+        self.used_a, self.used_b = sa, sb
+        self.moved = True
+        return [("weights", self.weights_fields())]
 
     def _model_shares(self, nbytes, a, b):
         aa = [a[r] if r in self.live else 0.0 for r in range(self.nrails)]
@@ -262,10 +264,9 @@ class Balancer:
         self.est = [RailEstimator() for _ in range(nrails)]
         self.rs = RailState(nrails)
         self.ops_since_exchange = 0
-        # in COLD, exchange after every large op at first, then back off (x2 up to 16) while
-        # the estimates do not settle, so a noisy environment does not pay for one every op
-        self.cold_interval = 1
-        self._last_live: tuple = tuple(range(nrails))
+        # in HOT, exchange MIN_SAMPLES ops after the model moved (the estimates are then
+        # fresh samples of the new split), backing off x2 up to HOT_INTERVAL while it holds
+        self.hot_interval = MIN_SAMPLES
 
     # ---- measurements (called from transport threads)
     def record_a(self, rail, seconds):
@@ -286,32 +287,38 @@ class Balancer:
             return False
         k = self.ops_since_exchange
         if self.rs.state == COLD:
-            return (k >= self.cold_interval and nbytes >= EXCH_MIN_BYTES) or k >= 64
-        return (k >= 16 and nbytes >= EXCH_MIN_BYTES) or k >= 128
+            return (k >= 1 and nbytes >= EXCH_MIN_BYTES) or k >= 64
+        return (k >= self.hot_interval and nbytes >= EXCH_MIN_BYTES) or k >= 128
 
     def agree(self, tables: np.ndarray) -> list:
-        """tables: (world, nrails, 3) gathered local tables. Same result on every rank."""
+        """tables: (world, nrails, 3) gathered local tables. Same result on every rank.
+
+        b_r is the largest estimate among the ranks that sent on rail r (a ring runs at its
+        slowest hop), and exists only once every one of them has one."""
         self.ops_since_exchange = 0
         a, b, counts = [], [], []
         for r in range(self.nrails):
             col = tables[:, r, :]
             As = col[:, 0][~np.isnan(col[:, 0])]
             a.append(float(np.median(As)) if len(As) else float("nan"))
-            bs = col[:, 1][~np.isnan(col[:, 1])]
-            b.append(float(np.median(bs)) if len(bs) == tables.shape[0] else float("nan"))
-            counts.append(int(col[:, 2].min()))
+            sent = col[col[:, 2] > 0]
+            bs = sent[:, 1]
+            ok = len(bs) > 0 and not np.isnan(bs).any()
+            b.append(float(bs.max()) if ok else float("nan"))
+            counts.append(int(sent[:, 2].min()) if len(sent) else 0)
         # a rail never used for a small message has no start-up estimate: assume the best
         # measured one (the rails differ in rate far more than in start-up), else nominal
         known = [x for x in a if not math.isnan(x)]
         fill = min(known) if known else A_NOMINAL
         a = [fill if math.isnan(x) else x for x in a]
-        was = self.rs.state
         evs = self.rs.observe(a, b, counts)
-        if self.rs.state == COLD:
-            if was == HOT:
-                self.cold_interval = 1
-            else:
-                self.cold_interval = min(16, self.cold_interval * 2)
+        if self.rs.moved:
+            # the samples so far describe the old split: measure the new one afresh
+            self.hot_interval = MIN_SAMPLES
+            for e in self.est:
+                e.reset()
+        elif self.rs.enough:
+            self.hot_interval = min(HOT_INTERVAL, self.hot_interval * 2)
         return evs
 
     def note_op(self):
@@ -319,10 +326,8 @@ class Balancer:
 
     def set_live(self, live) -> list:
         evs = self.rs.set_live(live)
-        if evs or tuple(sorted(live)) != self._last_live:
-            self.cold_interval = 1
-        self._last_live = tuple(sorted(live))
         if evs:
+            self.hot_interval = MIN_SAMPLES
             for e in self.est:
                 e.reset()
         return evs

@@ -37,6 +37,7 @@ from .events import Events
 from .exchange import maybe_exchange
 from .health import Health
 from .kinds import OPS, SYSTEMS
+from .costs import SAMPLE_MIN_OP
 from .rails import parse_rails
 from .rendezvous import Member, Rendezvous
 from .transport import make_transport
@@ -134,6 +135,10 @@ class Context:
                 self.events.emit("call", kind=kind_name, bytes=nbytes)
             eng = self._engine
             maybe_exchange(eng, self.balancer, self.events, nbytes)
+            metered = self._metered(nbytes)
+            if metered:
+                with eng.cond:
+                    eng.costs.take()         # drop what smaller ops left: not this op's
             op_id = eng.begin_op()
             if self.events.log_ops:
                 self.events.emit("op_start", op=op_id, kind=kind_name, bytes=nbytes)
@@ -141,8 +146,24 @@ class Context:
                 fn(collectives.Call(eng, op_id, self._config.pipe_block))
             finally:
                 eng.end_op(op_id)
+            if metered:
+                self._record_costs(op_id)
             if self.events.log_ops:
                 self.events.emit("op_end", op=op_id, kind=kind_name, bytes=nbytes)
+
+    def _metered(self, nbytes: int) -> bool:
+        """Only operations large enough to tell (a small one's share times are mostly
+        thread wake-ups), and only where the split depends on them."""
+        return nbytes >= SAMPLE_MIN_OP and self.balancer.mode == "nezha" and self.nrails > 1
+
+    def _record_costs(self, op_id: int) -> None:
+        """The operation's per-rail cost samples (costs.py) go to the balancer."""
+        with self._engine.cond:
+            samples = self._engine.costs.take()
+        for rail, nbytes, seconds in samples:
+            self.balancer.record_b(rail, nbytes, seconds)
+            if self._config.debug_samples:
+                self.events.emit("b_sample", rail=rail, bytes=nbytes, seconds=seconds, op=op_id)
 
     def allreduce(self, buf, op: str = "sum", dtype=None):
         """Reduce ``buf`` over all ranks, in place. Returns ``buf``."""

@@ -17,13 +17,16 @@ Event names and their fields (``rail`` is the rail index, ``peer`` a rank):
   rail_suspected  rail, [peer], reason, [last_rail]      (watchdog, heartbeat, netlink)
   rail_down       peer, rail, reason                     (this rank stopped using it)
   rerouted        peer, rail, chunks, to [rails]         (unacked chunks moved)
+  hedged          peer, rail, chunks, to, late_ms, op, step  (a late share's chunks also sent on
+                                                         rail ``to``, engine/hedge.py)
   rail_agreed     rail, state "down"|"up", by, peer, op  (rail usable by nobody / again)
   probe           peer, rail, next_in | ok=false, error  (re-connect attempt)
   rail_up         peer, rail, how "reconnected"|"accepted"
   stray_connection  rail, peer "addr:port", reason        (a connection that is not one of ours)
   error           error (class), message                 (the communicator failed)
   call / op_start / op_end   kind, bytes, [op]           (only with log_ops / NEZHA_LOG_OPS=1)
-  b_sample        rail, bytes, arrived, seconds, ...     (only with NEZHA_DEBUG_SAMPLES=1)
+  b_sample        rail, bytes, seconds, op               (an operation's cost sample on a rail,
+                                                         costs.py; only with NEZHA_DEBUG_SAMPLES=1)
   tx / rx         rail, peer, op, step, off, len, t0     (one per chunk, only with NEZHA_TRACE=1)
   close
 CLOCK_MONOTONIC is shared by all network namespaces of one machine, so logs of several
@@ -38,11 +41,12 @@ import time
 
 
 class RailCounters:
-    __slots__ = ("bytes_sent", "bytes_recv", "chunks_sent", "chunks_recv", "rerouted_chunks")
+    __slots__ = ("bytes_sent", "bytes_recv", "chunks_sent", "chunks_recv", "rerouted_chunks",
+                 "hedged_chunks")
 
     def __init__(self):
         self.bytes_sent = self.bytes_recv = 0
-        self.chunks_sent = self.chunks_recv = self.rerouted_chunks = 0
+        self.chunks_sent = self.chunks_recv = self.rerouted_chunks = self.hedged_chunks = 0
 
     def as_dict(self):
         return {k: getattr(self, k) for k in self.__slots__}

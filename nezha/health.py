@@ -140,6 +140,7 @@ class Health:
             if eng.error is not None or eng.closing:
                 continue
             now = time.monotonic()
+            eng.hedge(now)
             for (peer, rail), conn in list(eng.conns.items()):
                 if not conn.alive:
                     continue

@@ -13,7 +13,8 @@ All integers are big-endian (network order). Layout (byte offset, size, field)::
      9  1  rail        rail index the sender put the frame on
     10  2  src         sender's rank
     12  4  aux         type specific: ACK = acked byte count; HEARTBEAT/PROBE = sequence;
-                       DATA = collective root (broadcast) or 0
+                       DATA = bits 0-15 collective root (broadcast) or 0, bits 16-23 0 or,
+                       for a hedge copy, 1 + the rail whose share the chunk is
     16  8  op_id       collective sequence number (same on every rank for the same call)
     24  4  step        step of the collective algorithm
     28  4  chunk       chunk index within the step's message
@@ -61,6 +62,8 @@ MAGIC = b"NZHA"
 VERSION = 1
 
 HELLO, DATA, ACK, HEARTBEAT, CONTROL, ABORT, BYE, PROBE = range(1, 9)
+COPY_SHIFT = 16        # DATA aux: (1 + share rail) << COPY_SHIFT marks a hedge copy
+ROOT_MASK = (1 << COPY_SHIFT) - 1
 TYPE_NAMES = {HELLO: "HELLO", DATA: "DATA", ACK: "ACK", HEARTBEAT: "HEARTBEAT",
               CONTROL: "CONTROL", ABORT: "ABORT", BYE: "BYE", PROBE: "PROBE"}
 

@@ -1,6 +1,6 @@
 """The Engine object: its state, operation bracketing, waiting, and fatal failure.
 
-Its methods live in four modules by concern (receive, send, agreement, failover), combined
+Its methods live in five modules by concern (receive, send, agreement, failover, hedge), combined
 here; every piece of state is created in ``Engine.__init__`` below.
 """
 from __future__ import annotations
@@ -9,15 +9,17 @@ import threading
 import time
 
 from ..config import Config
+from ..costs import ShareCosts
 from ..errors import CommTimeout, PeerClosedError
 from .agreement import Agreement
 from .failover import Failover
+from .hedge import Hedging
 from .messages import RecvSlot, SendMsg
 from .receive import Receiving
 from .send import Sending
 
 
-class Engine(Receiving, Sending, Agreement, Failover):
+class Engine(Receiving, Sending, Agreement, Failover, Hedging):
     def __init__(self, rank, world, nrails, balancer, events, config: Config = Config()):
         self.rank, self.world, self.nrails = rank, world, nrails
         self.balancer = balancer
@@ -47,6 +49,7 @@ class Engine(Receiving, Sending, Agreement, Failover):
         self._my_seq = 0
         self._rr = 0
         self.on_arrivals = None   # health.Health's answer handler (rank, rail, id, bytes)
+        self.costs = ShareCosts(nrails)   # per-rail share times of the current op (costs.py)
 
     def live_rails(self, peer, data: bool = True) -> list[int]:
         """Rails with a working connection to ``peer``; for data also not agreed down."""
@@ -74,7 +77,12 @@ class Engine(Receiving, Sending, Agreement, Failover):
             for k in [k for k in self.slots if k[0] <= op_id]:
                 del self.slots[k]
             for k in [k for k in self.sends if k[0] <= op_id]:
-                del self.sends[k]
+                msg = self.sends.pop(k)
+                for ch in msg.chunks:       # copies still out: their ACKs come later
+                    for r in ch.out:
+                        c = self.conns.get((msg.dst, r))
+                        if c is not None:
+                            c.orphans += 1
             for k in [k for k in self.staged if k[0] <= op_id]:
                 for _, buf, *_ in self.staged.pop(k):
                     self.staged_bytes -= len(buf)

@@ -71,17 +71,25 @@ class Failover:
 
     def _reroute(self, peer: int, rail: int, live: list) -> int:
         """Deal the unacknowledged chunks to ``peer`` on ``rail`` round-robin over ``live``
-        (under cond). Returns how many moved."""
+        (under cond). A hedge copy on ``rail`` whose original is still out elsewhere needs
+        no new copy. Returns how many moved."""
         moved = 0
         for msg in list(self.sends.values()):
             if msg.dst != peer or msg.complete:
                 continue
             for ch in msg.chunks:
-                if not ch.acked and ch.rail == rail:
-                    ch.tries = 99      # no start-up sample from a rerouted chunk
-                    ch.rail = live[self._rr % len(live)]
-                    self._rr += 1
-                    self._queue(self.conns[(peer, ch.rail)], ch)
-                    self.events.rails[rail].rerouted_chunks += 1
-                    moved += 1
+                if ch.acked or rail not in ch.out:
+                    continue
+                self._settle(ch, rail)
+                if ch.rail != rail and ch.rail in ch.out:
+                    continue
+                ch.tries = 99      # no start-up sample from a rerouted chunk
+                to = live[self._rr % len(live)]
+                self._rr += 1
+                msg.left[ch.rail] -= 1
+                msg.left[to] = msg.left.get(to, 0) + 1
+                ch.rail = to
+                self._queue(self.conns[(peer, to)], ch)
+                self.events.rails[rail].rerouted_chunks += 1
+                moved += 1
         return moved

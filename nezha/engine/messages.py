@@ -3,7 +3,6 @@
 (op_id, step, peer); a chunk by its byte offset."""
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 A_SAMPLE_MAX = 64 << 10
@@ -24,8 +23,8 @@ class Desc:
 
 class RecvSlot:
     __slots__ = ("key", "view", "total", "kind", "dtype", "redop", "op_total", "aux", "done",
-                 "got", "frames", "first", "last", "rbytes", "writers", "complete", "t_post",
-                 "afirst", "alast")
+                 "got", "frames", "writers", "complete", "t_first", "t_prev", "t_last", "rbytes",
+                 "busy")
 
     def __init__(self, key, view, d: Desc):
         self.key = key
@@ -36,29 +35,32 @@ class RecvSlot:
         self.done: dict[int, int] = {}
         self.got = 0
         self.frames = 0
-        self.first: dict[int, float] = {}
-        self.last: dict[int, float] = {}
-        self.rbytes: dict[int, int] = {}
-        self.afirst: dict[int, int] = {}   # the connection's arrived() at first / last
-        self.alast: dict[int, int] = {}
         self.writers = 0
         self.complete = False
-        self.t_post = time.monotonic()
+        # per rail: first header, the rail's previous share's end, last byte, bytes (cost.py)
+        self.t_first: dict[int, float] = {}
+        self.t_prev: dict[int, float] = {}
+        self.t_last: dict[int, float] = {}
+        self.rbytes: dict[int, int] = {}
+        self.busy: set[int] = set()    # offsets being read in place right now
 
 
 class SendChunk:
-    __slots__ = ("msg", "idx", "offset", "length", "rail", "acked", "t_send", "tries")
+    __slots__ = ("msg", "idx", "offset", "length", "rail", "acked", "t_send", "tries", "out",
+                 "hedged")
 
     def __init__(self, msg, idx, offset, length, rail):
         self.msg, self.idx, self.offset, self.length, self.rail = msg, idx, offset, length, rail
         self.acked = False
         self.t_send = 0.0
         self.tries = 0
+        self.out: list[int] = []    # rails holding a copy not yet acknowledged on that rail
+        self.hedged = False         # a copy was also queued on another rail (hedge.py)
 
 
 class SendMsg:
     __slots__ = ("key", "dst", "view", "total", "kind", "dtype", "redop", "op_total", "aux",
-                 "chunks", "unacked", "t0", "share", "complete")
+                 "chunks", "unacked", "t0", "share", "complete", "t_queued", "left", "done_at")
 
     def __init__(self, key, dst, view, d: Desc):
         self.key, self.dst, self.view = key, dst, view
@@ -70,3 +72,6 @@ class SendMsg:
         self.t0: dict[int, float] = {}
         self.share: dict[int, int] = {}
         self.complete = False
+        self.t_queued = 0.0
+        self.left: dict[int, int] = {}        # share rail -> chunks not yet acknowledged
+        self.done_at: dict[int, float] = {}   # share rail -> when its last chunk was

@@ -1,4 +1,4 @@
-"""Receive side of the engine: posted receives, staging, ACKs, rate samples (b_r).
+"""Receive side of the engine: posted receives, staging, ACKs.
 
 The reader thread parses a header, asks ``data_target`` for the destination slice of the
 posted receive and ``recv_into``s straight into it. A frame that arrives before its receive
@@ -11,9 +11,10 @@ from __future__ import annotations
 import time
 
 from .. import wire
-from ..balance import B_MIN_BYTES
 from ..errors import CommError, MismatchError, ProtocolError
 from .messages import ACK_PROGRESS, OP_WINDOW, Desc, RecvSlot
+
+BOUNCE_OPS = 64    # ops for which a rail that was hedged is read via a private buffer
 
 
 class Receiving:
@@ -35,7 +36,7 @@ class Receiving:
     def _check(self, slot: RecvSlot, h, conn):
         if (h.kind, h.dtype, h.redop, h.op_total, h.msg_total) != (
                 slot.kind, slot.dtype, slot.redop, slot.op_total, slot.total) or (
-                h.kind == wire.K_BROADCAST and h.aux != slot.aux):
+                h.kind == wire.K_BROADCAST and h.aux & wire.ROOT_MASK != slot.aux):
             def d(kind, dtype, redop, op_total, total, aux):
                 s = (f"{wire.KIND_NAMES.get(kind)} of {op_total} bytes of "
                      f"{wire.DTYPES.get(dtype)} op={wire.REDOPS.get(redop)}")
@@ -52,7 +53,7 @@ class Receiving:
         err = None
         with self.cond:
             self.slots[key] = slot
-            for h, buf, t1, t2, a1, a2 in self.staged.pop(key, ()):
+            for h, buf, t_hdr, t_prev, t_end in self.staged.pop(key, ()):
                 self.staged_bytes -= len(buf)
                 if err is None:
                     try:
@@ -62,7 +63,7 @@ class Receiving:
                         continue
                     if h.offset not in slot.done:
                         view[h.offset:h.offset + h.length] = buf
-                        self._mark(slot, h, t1, t2, a1, a2)
+                        self._mark(slot, h, t_hdr, t_prev, t_end)
                 conn = self.conns.get((src, h.rail))
                 if conn is not None:
                     self._ack(conn, h, True)
@@ -85,7 +86,9 @@ class Receiving:
                              f"{self.rank} does not expect (different collective, root or "
                              f"world view)")
 
-    def _mark(self, slot, h, t_first, t_end, a_first=0, a_end=0):
+    def _mark(self, slot, h, t_hdr: float, t_prev: float, t_end: float):
+        """Frame ``h`` of ``slot`` is in: its header was read at ``t_hdr`` and its last byte
+        at ``t_end``; the rail's previous frame from this peer ended at ``t_prev``."""
         slot.frames += 1
         if h.offset in slot.done:
             return
@@ -93,35 +96,31 @@ class Receiving:
             raise ProtocolError(f"rank {h.src} sent more than {slot.total} bytes for op {h.op_id} step {h.step}")
         slot.done[h.offset] = h.length
         slot.got += h.length
-        r = h.rail
-        if r not in slot.first or t_first < slot.first[r]:
-            slot.first[r], slot.afirst[r] = t_first, a_first
-        if t_end >= slot.last.get(r, 0.0):
-            slot.last[r], slot.alast[r] = t_end, a_end
-        slot.rbytes[r] = slot.rbytes.get(r, 0) + h.length
-        if r < len(self.events.rails):
-            c = self.events.rails[r]
+        if h.rail < len(self.events.rails):
+            c = self.events.rails[h.rail]
             c.bytes_recv += h.length
             c.chunks_recv += 1
+        copy_of = h.aux >> wire.COPY_SHIFT
+        if copy_of:
+            # a hedge copy: the time goes to the late rail whose share it is, counted from
+            # the message's start; its own frames go through a private buffer for a while,
+            # so a stalled frame of it never writes into a buffer the caller got back
+            r, t_prev = copy_of - 1, 0.0
+            late = self.conns.get((h.src, r))
+            if late is not None:
+                late.bounce_op = self.op_seq + BOUNCE_OPS
+        else:
+            r = h.rail
+        if r not in slot.t_first:
+            slot.t_first[r], slot.t_prev[r] = t_hdr, t_prev
+        if t_end > slot.t_last.get(r, 0.0):
+            slot.t_last[r] = t_end
+        slot.rbytes[r] = slot.rbytes.get(r, 0) + h.length
         if slot.got == slot.total and slot.frames >= 1:
             slot.complete = True
-            self._record_rates(slot)
+            if slot.kind != wire.K_CONTROL:
+                self.costs.add_message(slot)
             self.cond.notify_all()
-
-    def _record_rates(self, slot):
-        """A complete receive: one b_r sample per rail that carried enough of it."""
-        for rr, nb in slot.rbytes.items():
-            # the rail's arrival rate while this share came in: bytes that reached the
-            # socket between its first header and its last byte (not the bytes we read:
-            # some may have queued before the first header, others after it)
-            arrived = slot.alast[rr] - slot.afirst[rr]
-            seconds = slot.last[rr] - slot.first[rr]
-            if nb >= B_MIN_BYTES and arrived >= B_MIN_BYTES // 2:
-                self.balancer.record_b(rr, arrived, seconds)
-            if self.debug_samples:
-                self.events.emit("b_sample", rail=rr, bytes=nb, arrived=arrived,
-                                 seconds=seconds, since_post=slot.last[rr] - slot.t_post,
-                                 op=slot.key[0], step=slot.key[1])
 
     # ------------------------------------------------------------------ connection callbacks
     def data_target(self, conn, h, now):
@@ -140,10 +139,11 @@ class Receiving:
                 return None
             self._check(slot, h, conn)
             conn.t_hdr = now
-            if h.offset in slot.done:
-                return None
+            if h.offset in slot.done or h.offset in slot.busy or conn.bounce_op >= h.op_id:
+                return None      # a repeat, or this rail was late lately: private buffer
             slot.writers += 1
-            conn.cur_slot = slot
+            slot.busy.add(h.offset)
+            conn.cur_slot, conn.cur_off = slot, h.offset
             return slot.view[h.offset:h.offset + h.length]
 
     def release_target(self, conn):
@@ -151,6 +151,7 @@ class Receiving:
             slot = getattr(conn, "cur_slot", None)
             if slot is not None:
                 slot.writers -= 1
+                slot.busy.discard(conn.cur_off)
                 conn.cur_slot = None
                 self.cond.notify_all()
 
@@ -160,9 +161,11 @@ class Receiving:
             slot = conn.cur_slot
             conn.cur_slot = None
             slot.writers -= 1
+            slot.busy.discard(h.offset)
             # queue the ACK before the op can complete (and the app close the connection)
             self._ack(conn, h, False)
-            self._mark(slot, h, conn.t_hdr, now, conn.arr_hdr, conn.arr_end)
+            self._mark(slot, h, conn.t_hdr, getattr(conn, "t_end", 0.0), now)
+            conn.t_end = now
             if self.trace:
                 self.events.emit("rx", rail=conn.rail, peer=conn.peer, op=h.op_id, step=h.step,
                                  off=h.offset, len=h.length, t0=conn.t_hdr)
@@ -171,6 +174,7 @@ class Receiving:
 
     def data_staged(self, conn, h, buf):
         now = time.monotonic()
+        t_prev, conn.t_end = getattr(conn, "t_end", 0.0), now
         err = None
         with self.cond:
             if self.closing or self.error is not None:
@@ -182,27 +186,26 @@ class Receiving:
                 self._ack(conn, h, False)
                 if h.offset not in slot.done:
                     slot.view[h.offset:h.offset + h.length] = buf
-                    self._mark(slot, h, conn.t_hdr, now, conn.arr_hdr, conn.arr_end)
+                    self._mark(slot, h, conn.t_hdr, t_prev, now)
                 ack = False
             elif h.op_id <= self.done_op:    # late duplicate of a finished op
                 ack = True
             elif h.op_id <= self.posted_op:
                 raise self._unexpected(h)
             else:
-                err = self._stage(conn, h, buf, key, now)
+                err = self._stage(conn, h, buf, key, (conn.t_hdr, t_prev, now))
                 ack = False
         if err is not None:
             raise err
         if ack:
             self._ack(conn, h, False)
 
-    def _stage(self, conn, h, buf, key, now):
+    def _stage(self, conn, h, buf, key, times):
         """Keep a frame whose receive is not posted yet; the error if staging overflows."""
         # tell the sender the bytes arrived (progress for its watchdog) without
         # completing the chunk: that ACK comes when the receive is posted
         conn.put(self._ack_frame(conn, h, ACK_PROGRESS))
-        self.staged.setdefault(key, []).append((h, buf, conn.t_hdr, now, conn.arr_hdr,
-                                                conn.arr_end))
+        self.staged.setdefault(key, []).append((h, buf, *times))
         self.staged_bytes += len(buf)
         if self.staged_bytes > self.staging_limit:
             return ProtocolError(f"staging area overflow ({self.staged_bytes} bytes "

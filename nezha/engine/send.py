@@ -22,17 +22,31 @@ class Sending:
         if conn.unacked == 0:
             conn.busy_since = time.monotonic()
         conn.unacked += 1
+        ch.out.append(conn.rail)
         conn.put(ch)
 
-    def _settle(self, ch):
-        c = self.conns.get((ch.msg.dst, ch.rail))
-        if c is not None and c.unacked > 0:
-            c.unacked -= 1
+    def _settle(self, ch, rail: int) -> None:
+        """The copy of ``ch`` on ``rail`` was acknowledged (or given up): the rail's
+        connection no longer waits for it."""
+        if rail in ch.out:
+            ch.out.remove(rail)
+            c = self.conns.get((ch.msg.dst, rail))
+            if c is not None and c.unacked > 0:
+                c.unacked -= 1
+
+    def _orphan_ack(self, conn) -> None:
+        """An ACK for a copy whose message is gone (a hedge's other copy won the race):
+        it still settles the connection's count (core.Engine.end_op)."""
+        if conn.orphans > 0:
+            conn.orphans -= 1
+            if conn.unacked > 0:
+                conn.unacked -= 1
 
     def send(self, dst, op_id, step, view, desc: Desc, elem=1) -> SendMsg:
         """Send message (op_id, step) to ``dst``, split over the rails in units of ``elem``."""
         key = (op_id, step, dst)
         msg = SendMsg(key, dst, view, desc)
+        msg.t_queued = time.monotonic()
         with self.cond:
             if self.error is not None:
                 raise self.error
@@ -50,6 +64,7 @@ class Sending:
         cb = self.balancer.chunk_bytes
         for rail, off, length in plan:
             msg.share[rail] = length
+            msg.left[rail] = max(1, -(-length // cb))
             if length == 0:
                 msg.chunks.append(SendChunk(msg, len(msg.chunks), off, 0, rail))
                 continue
@@ -64,15 +79,17 @@ class Sending:
     # ------------------------------------------------------------------ connection callbacks
     def before_send(self, conn, ch: SendChunk):
         with self.cond:
-            if ch.acked or ch.msg.complete or ch.rail != conn.rail:
+            if ch.acked or ch.msg.complete or conn.rail not in ch.out:
                 return None
             msg = ch.msg
             now = time.monotonic()
             ch.t_send = now
             ch.tries += 1
             msg.t0.setdefault(conn.rail, now)
+            # a hedge copy names the rail whose share it is (the receiver charges that rail)
+            aux = msg.aux if conn.rail == ch.rail else msg.aux | ((ch.rail + 1) << wire.COPY_SHIFT)
         hdr = wire.Header(wire.DATA, kind=msg.kind, dtype=msg.dtype, redop=msg.redop,
-                          rail=conn.rail, src=self.rank, aux=msg.aux, op_id=msg.key[0],
+                          rail=conn.rail, src=self.rank, aux=aux, op_id=msg.key[0],
                           step=msg.key[1], chunk=ch.idx, offset=ch.offset, length=ch.length,
                           msg_total=msg.total, op_total=msg.op_total).pack()
         return hdr, msg.view[ch.offset:ch.offset + ch.length]
@@ -93,16 +110,21 @@ class Sending:
         with self.cond:
             msg = self.sends.get((h.op_id, h.step, h.src))
             if msg is None or h.chunk >= len(msg.chunks):
+                self._orphan_ack(conn)
                 return
             ch = msg.chunks[h.chunk]
-            if ch.acked:
-                return
             if ch.offset != h.offset or ch.length != h.aux:
                 raise ProtocolError(f"rank {h.src} acknowledged chunk {h.chunk} with wrong "
                                     f"offset/length")
+            self._settle(ch, conn.rail)
+            if ch.acked:
+                return
             ch.acked = True
-            self._settle(ch)
             msg.unacked -= 1
+            left = msg.left.get(ch.rail, 0) - 1
+            msg.left[ch.rail] = left
+            if left == 0:
+                msg.done_at[ch.rail] = now
             if not h.op_total:
                 self._sample_a(msg, ch.rail, ch.tries, now)
             if msg.unacked == 0:

@@ -180,6 +180,9 @@ class Connection:
         self._inq_ok = True
         self.cur_slot = None
         self.unacked = 0          # data chunks queued/sent here and not yet acknowledged
+        self.orphans = 0          # ...of which their message is done (engine/hedge.py)
+        self.bounce_op = -1       # DATA of ops up to this one is read via a private buffer
+        self.t_end = 0.0          # when the last DATA payload ended (engine costs)
         self.busy_since = 0.0
         self.last_ack = 0.0
         # test hooks, checked once per frame: this connection (blackhole) or the whole rank

@@ -1,0 +1,48 @@
+"""Per-rail cost samples: what each rail's shares of an operation took to arrive.
+
+The balancer must charge a rail what its shares cost to *finish*, because a message is done
+when its last rail is. The receiver sees that directly: for every message it knows, per
+rail, when the share's first header came in, when its last byte did, and when the rail's
+previous share from the same peer ended. A share could start no earlier than the message's
+first header on any rail (all shares of a message are queued at once) and no earlier than
+the end of the rail's previous share (a rail sends in order), so its cost is
+
+    last byte - max(first header of the message on any rail, end of the rail's previous share)
+
+This charges what delays a share's finish: start-up, a lost first packet, retransmission
+stalls, a token bucket that ran dry, a slow hop; and it does not charge a rail for idling
+between pipeline blocks, so an under-used fast rail is not mistaken for a slow one. Samples
+are summed per operation (one per rail, however small the shares: with 8 or 16 rails or many
+hosts a share is a few dozen KiB) and windowed by the balancer (balance.RailEstimator).
+Each rank measures the hop into it, so the agreement can take the slowest hop of the ring.
+"""
+from __future__ import annotations
+
+SAMPLE_MIN_OP = 128 << 10     # operations smaller than this give no sample
+
+
+class ShareCosts:
+    """Accumulates the current operation's per-rail (bytes, seconds); ``take`` empties it.
+    Called with the engine's lock held."""
+
+    def __init__(self, nrails: int):
+        self.nrails = nrails
+        self._acc: dict[int, list] = {}
+
+    def add_message(self, slot) -> None:
+        """A complete receive (engine.messages.RecvSlot with its per-rail times)."""
+        if not slot.rbytes:
+            return
+        t0 = min(slot.t_first.values())
+        for r, nb in slot.rbytes.items():
+            dur = slot.t_last[r] - max(t0, slot.t_prev[r])
+            if dur > 0:
+                a = self._acc.setdefault(r, [0, 0.0])
+                a[0] += nb
+                a[1] += dur
+
+    def take(self) -> list[tuple[int, int, float]]:
+        """[(rail, bytes, seconds)] since the last call."""
+        out = [(r, nb, s) for r, (nb, s) in sorted(self._acc.items())]
+        self._acc.clear()
+        return out

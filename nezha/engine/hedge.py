@@ -1,0 +1,73 @@
+"""Hedging: a share that falls behind is also sent on a rail that has already finished.
+
+A message is done when its last share is. When one rail's share is late (its siblings on
+the other rails were all acknowledged a while ago) its unacknowledged chunks are queued
+again on the best finished rail; the receiver keeps whichever copy arrives first (chunks are
+named by offset) and acknowledges both. What a retransmission timeout, a burst of loss, a
+stalled peer thread or a rail that just died costs one message is then about the lateness
+threshold plus one chunk's time on a good rail, where TCP alone waits out its RTO (200 ms
+by default) and failure detection takes longer still.
+
+Three things keep this honest:
+  * the late rail is still charged until its share arrived: a copy names the rail whose
+    share it is (wire DATA aux, COPY_SHIFT) and the receiver's cost sample goes to that rail
+    (costs.py), so a rail that keeps falling behind gets a smaller share;
+  * the late rail's own copy stays outstanding on its connection (core.Engine.end_op hands
+    it over as an orphan when the message is done), so the failure detector (health.py)
+    still sees a rail that delivers nothing;
+  * each chunk is copied at most once, and only once a finished rail exists to take it.
+"""
+from __future__ import annotations
+
+import math
+
+HEDGE_MIN_S = 0.010       # a share is late only this long after its last sibling finished...
+HEDGE_FACTOR = 0.1
+
+
+class Hedging:
+    """Mixin of Engine (state in core.Engine.__init__); ``hedge`` runs on the health tick."""
+
+    def hedge(self, now: float) -> None:
+        """Copy the late shares of every message in flight onto a finished rail."""
+        done = []
+        with self.cond:
+            if self.error is not None or self.closing or not self.sends:
+                return
+            for msg in self.sends.values():
+                if msg.complete or not msg.done_at:
+                    continue
+                last = max(msg.done_at.values())
+                # the siblings' own time: from their first byte out (a rail may first have
+                # finished earlier messages) to their last ACK
+                took = max(t - msg.t0.get(r, msg.t_queued) for r, t in msg.done_at.items())
+                if now - last < max(HEDGE_MIN_S, HEDGE_FACTOR * took):
+                    continue
+                late = [r for r, n in msg.left.items() if n > 0]
+                to = self._hedge_target(msg) if late else None
+                if to is None:
+                    continue
+                conn = self.conns[(msg.dst, to)]
+                for r in late:
+                    n = 0
+                    for ch in msg.chunks:
+                        if ch.rail == r and not ch.acked and not ch.hedged and to not in ch.out:
+                            ch.hedged = True
+                            ch.tries = 99      # no start-up sample from a copied chunk
+                            self._queue(conn, ch)
+                            n += 1
+                    if n:
+                        self.events.rails[r].hedged_chunks += n
+                        done.append((msg.dst, r, n, to, (now - last) * 1e3, msg.key))
+        for peer, rail, n, to, late_ms, key in done:
+            self.events.emit("hedged", peer=peer, rail=rail, chunks=n, to=to,
+                             late_ms=round(late_ms, 1), op=key[0], step=key[1])
+
+    def _hedge_target(self, msg):
+        """The finished rail to ``msg.dst`` with the lowest agreed cost per byte."""
+        live = self.live_rails(msg.dst)
+        b = self.balancer.rs.b
+        done = [r for r in msg.done_at if msg.left.get(r, 0) == 0 and r in live]
+        if not done:
+            return None
+        return min(done, key=lambda r: (b[r] if not math.isnan(b[r]) else math.inf, r))

@@ -1,0 +1,154 @@
+"""What a rail is charged (costs.py): the time its share of a message took to finish, from
+when it could start (the message's first header on any rail, or the end of the rail's
+previous share) to its last byte; a hedge copy's time goes to the late rail whose share it is.
+And hedging itself (engine/hedge.py): a late share is copied onto a finished rail, the late
+rail's own copy stays outstanding for the failure detector, and nothing is counted twice."""
+from __future__ import annotations
+
+import socket
+import time
+
+import pytest
+
+from nezha import wire
+from nezha.balance import Balancer
+from nezha.config import Config
+from nezha.engine import Desc, Engine
+from nezha.events import Events
+from nezha.transport.base import Connection, recv_exact_into
+
+
+def header(offset: int, length: int, total: int, rail: int = 0, copy_of=None, src=1):
+    aux = 0 if copy_of is None else (copy_of + 1) << wire.COPY_SHIFT
+    return wire.unpack(wire.Header(wire.DATA, kind=wire.K_ALLREDUCE, rail=rail, src=src,
+                                   aux=aux, op_id=7, step=0, offset=offset, length=length,
+                                   msg_total=total, op_total=total).pack())
+
+
+def engine(nrails=2):
+    return Engine(0, 2, nrails, Balancer(nrails), Events(0, 2), Config(timeout=5.0))
+
+
+def test_each_rail_is_charged_from_when_its_share_could_start_to_its_last_byte():
+    eng = engine()
+    total = 3 << 20
+    slot = eng.post_recv(7, 0, 1, memoryview(bytearray(total)), Desc(wire.K_ALLREDUCE, 0, 0, total))
+    with eng.cond:
+        # rail 0: two frames, idle before (its previous share ended at 9.0): 10.0 -> 10.04
+        eng._mark(slot, header(0, 1 << 20, total, rail=0), 10.0, 9.0, 10.02)
+        eng._mark(slot, header(1 << 20, 1 << 20, total, rail=0), 10.02, 9.0, 10.04)
+        # rail 1: still busy with its previous share until 10.03, then done at 10.05
+        eng._mark(slot, header(2 << 20, 1 << 20, total, rail=1), 10.031, 10.03, 10.05)
+    assert slot.complete
+    costs = dict((r, (nb, s)) for r, nb, s in eng.costs.take())
+    assert costs[0] == (2 << 20, pytest.approx(0.04))
+    assert costs[1] == (1 << 20, pytest.approx(0.02))   # not charged for its backlog
+    assert eng.costs.take() == []
+
+
+def test_a_hedge_copy_charges_the_late_rail_until_the_copy_arrived():
+    eng = engine()
+    total = 2 << 20
+    slot = eng.post_recv(7, 0, 1, memoryview(bytearray(total)), Desc(wire.K_ALLREDUCE, 0, 0, total))
+    with eng.cond:
+        eng._mark(slot, header(0, 1 << 20, total, rail=0), 10.0, 9.0, 10.03)
+        # rail 1's share stalled; its copy came on rail 0 after rail 0's own share
+        eng._mark(slot, header(1 << 20, 1 << 20, total, rail=0, copy_of=1), 10.05, 10.03, 10.08)
+    costs = dict((r, (nb, s)) for r, nb, s in eng.costs.take())
+    assert costs[0] == (1 << 20, pytest.approx(0.03))
+    assert costs[1] == (1 << 20, pytest.approx(0.08))   # from the message's start
+    assert eng.events.rails[0].bytes_recv == 2 << 20    # the bytes did come on rail 0
+
+
+class FakeConn:
+    """Stands in for a Connection: records what the engine queues on it."""
+
+    def __init__(self, peer, rail):
+        self.peer, self.rail = peer, rail
+        self.alive = True
+        self.unacked = self.orphans = 0
+        self.busy_since = 0.0
+        self.bounce_op = -1
+        self.queued = []
+
+    def put(self, item):
+        self.queued.append(item)
+
+
+def ack(eng, conn, ch):
+    h = wire.unpack(wire.Header(wire.ACK, kind=wire.K_ALLREDUCE, rail=conn.rail, src=1,
+                                aux=ch.length, op_id=ch.msg.key[0], step=ch.msg.key[1],
+                                chunk=ch.idx, offset=ch.offset, msg_total=ch.msg.total).pack())
+    eng.on_ack(conn, h)
+
+
+def test_a_late_share_is_copied_to_a_finished_rail_once_and_its_own_copy_stays_outstanding():
+    eng = engine()
+    c0, c1 = FakeConn(1, 0), FakeConn(1, 1)
+    eng.conns = {(1, 0): c0, (1, 1): c1}
+    op = eng.begin_op()
+    view = memoryview(bytearray(1 << 20))
+    msg = eng.send(1, op, 0, view, Desc(wire.K_ALLREDUCE, 1, 1, 1 << 20), elem=4)
+    by_rail = {r: [ch for ch in msg.chunks if ch.rail == r] for r in (0, 1)}
+    assert by_rail[0] and by_rail[1]
+    for ch in by_rail[0] + by_rail[1]:                # both rails start sending
+        assert eng.before_send(c0 if ch.rail == 0 else c1, ch) is not None
+    for ch in by_rail[0]:
+        ack(eng, c0, ch)                              # rail 0 finishes, rail 1 does not
+    now = time.monotonic()
+    eng.hedge(now + 0.001)
+    assert len(c0.queued) == len(by_rail[0])          # not late yet
+    eng.hedge(now + 0.5)
+    copies = c0.queued[len(by_rail[0]):]
+    assert copies == by_rail[1]                       # the late share, queued on rail 0
+    eng.hedge(now + 1.0)
+    assert c0.queued[len(by_rail[0]):] == copies      # ...once
+    hdr, _ = eng.before_send(c0, copies[0])
+    h = wire.unpack(hdr)
+    assert h.rail == 0 and h.aux >> wire.COPY_SHIFT == 2      # names rail 1's share
+    assert eng.events.rails[1].hedged_chunks == len(copies)
+    for ch in copies:
+        ack(eng, c0, ch)                              # the copies win
+    assert msg.complete and c0.unacked == 0
+    assert c1.unacked == len(by_rail[1])              # rail 1's own copies: still out
+    eng.end_op(op)
+    assert c1.orphans == len(by_rail[1]) and c1.unacked == len(by_rail[1])
+    for ch in by_rail[1]:
+        ack(eng, c1, ch)                              # rail 1 delivers late: settled
+    assert c1.unacked == 0 and c1.orphans == 0
+
+
+@pytest.fixture
+def tcp_conn():
+    """(sending socket, Connection on the receiving end) over loopback; threads not started."""
+    lst = socket.create_server(("127.0.0.1", 0))
+    a = socket.create_connection(lst.getsockname())
+    b, _ = lst.accept()
+    lst.close()
+    try:
+        yield a, Connection(b, peer=1, rail=0, handler=None)
+    finally:
+        a.close()
+        b.close()
+
+
+def test_connection_counts_queued_bytes_as_arrived(tcp_conn):
+    a, conn = tcp_conn
+    a.sendall(b"x" * 5000)
+    deadline = time.monotonic() + 2
+    while conn.arrived() < 5000 and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert conn.arrived() == 5000        # nothing read yet: all of it waits in the queue
+    assert recv_exact_into(conn.sock, memoryview(bytearray(3000)), "payload", conn)
+    assert conn.rx_all == 3000            # the reader counts as it reads...
+    assert conn.arrived() == 5000        # ...so reading only moves bytes from queue to rx_all
+
+
+def test_arrivals_within_a_window_come_from_the_health_samples(tcp_conn):
+    _, conn = tcp_conn
+    now = time.monotonic()
+    conn.rx_all = 5000
+    conn.arrivals.extend([(now - 0.30, 1000), (now - 0.20, 3000), (now - 0.10, 5000)])
+    assert conn.arrived_within(0.05) == 0          # nothing since the last sample
+    assert conn.arrived_within(0.15) == 2000       # since the sample 0.2 s ago
+    assert conn.arrived_within(10.0) == 4000       # history shorter: the oldest sample
