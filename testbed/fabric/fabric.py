@@ -22,12 +22,11 @@ from testbed.kernel import netns
 from testbed.kernel.capabilities import Capabilities, probe
 from testbed.errors import FabricError
 from testbed.fabric.shaper import DirectionShaper
-from testbed.model.spec import Shape, Topology, check_capabilities
+from testbed.model.spec import BRIDGE, Shape, Topology, check_capabilities
 from testbed.fabric.guard import checkpoint, interrupts_at_checkpoints
 from testbed.fabric.state import RunState
 
 log = logging.getLogger(__name__)
-BRIDGE = "br0"   # the rail switch's bridge, inside the switch namespace
 RTAX_RTO_MIN = 13  # route metric index; TCP honours it only when the metric is locked
 
 
