@@ -148,8 +148,17 @@ def _print_status(fab) -> None:
 def cmd_clean(args) -> int:
     _require_root()
     removed = state.clean(everything=args.all)
+    for u in removed["unreadable"]:
+        mine = [ns for ns in removed["kept"] if u.protects(ns)]
+        what = (f"its namespaces {state.PREFIX}{u.run_id}-* were left alone ({len(mine)}: "
+                f"{' '.join(mine[:8])}{' ...' if len(mine) > 8 else ''})" if u.run_id
+                else "it names no run id, so nothing was protected by it")
+        print(f"warning: kept run {u.run_id or '?'}: its state file {u.path} does not load "
+              f"({u.reason}); {what}. Look at the file, then delete it (and those namespaces: "
+              f"ip netns delete NAME) by hand.", file=sys.stderr)
     if not removed["namespaces"] and not removed["runs"]:
-        print("nothing to clean")
+        print("nothing to clean" + (" (some runs were kept, see above)"
+                                    if removed["unreadable"] else ""))
     else:
         print(f"removed {len(removed['namespaces'])} namespaces of {len(removed['runs'])} runs: "
               + " ".join(removed["namespaces"]))
