@@ -355,3 +355,19 @@ def test_run_of_an_unbounded_file_exits_2_and_builds_nothing(name, tmp_path):
     assert not [n for n in set(netns.listing()) - before_ns if n.startswith(state.PREFIX)]
     after_state = set(state.STATE_DIR.glob("*.json")) if state.STATE_DIR.is_dir() else set()
     assert not after_state - before_state
+
+
+def test_readme_limits_table_states_the_limits_in_units():
+    from testbed.model import units
+    readme = (ROOT / "README.md").read_text()
+    table = readme[readme.index("**Limits.**"):readme.index("Shipped topologies")]
+    for text in (f"1-{units.MAX_HOSTS}", f"1-{units.MAX_RAILS}", "1000 gbit", "86400 s",
+                 f"{units.MAX_DELAY_S:g} s", f"{units.MAX_SIZE_BYTES >> 30} GiB",
+                 f"{units.MAX_ROUNDS}", f"{units.MAX_PHASES}", f"{units.MAX_CAPTURE_MB}",
+                 f"{units.MIN_FLAP_PERIOD_S * 1000:g} ms", f"{units.MAX_FLAP_STEPS}",
+                 f"{units.MAX_FILE_BYTES >> 10} KiB", f"{units.MAX_YAML_DEPTH} levels",
+                 f"{units.MAX_YAML_NODES} values", "80 characters"):
+        assert text in table, text
+    assert units.MAX_RATE_BPS == 10 ** 12 and units.MAX_DURATION_S == 86400
+    for name in spec.RESERVED_NAMES:
+        assert f"`{name}`" in table, name
