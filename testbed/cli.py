@@ -198,6 +198,11 @@ def cmd_pcap(args) -> int:
     return pcap_main(args.results, as_json=args.json, rails=args.rails)
 
 
+def cmd_shapes(args) -> int:
+    from testbed.shapes import main as shapes_main
+    return shapes_main(args)
+
+
 # ------------------------------------------------------------------------------------- parser
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m testbed",
@@ -253,6 +258,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true")
     s.add_argument("--rails", help="rail names in index order, e.g. r0,r1 (default: from files)")
     s.set_defaults(func=cmd_pcap)
+
+    from testbed.shapes import add_arguments as shapes_arguments
+    s = sub.add_parser("shapes", help="randomized topologies: nezha vs single rail vs MPTCP vs "
+                       "the bottleneck-aware optimum, one row per seed")
+    shapes_arguments(s)
+    s.set_defaults(func=cmd_shapes)
     return p
 
 
