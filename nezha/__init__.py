@@ -7,8 +7,9 @@ Modules, in the order data flows:
   kinds        SYSTEMS, DTYPES, OPS (also what the testbed's scenarios accept)
   context      Context: the public API (see its docstring); Context.from_env()
   buffers      user buffers -> flat numpy arrays (and the copy back)
-  rendezvous   store meeting, HELLO handshake, connect / accept, rail rejoin
-  store        TCP key-value store for rendezvous (served by rank 0)
+  rendezvous   store meeting, authenticated HELLO/AUTH handshake, connect / accept, rejoin
+  store        TCP key-value store for rendezvous (served by rank 0), authenticated, bounded
+  auth         the job secret: HMAC-SHA256 challenge-response (store and rails)
   rails        rail specs (IPv4 address or interface name) -> addresses
   transport/   Transport + Connection (TCP per rail, MPTCP), reader/writer threads
   wire         the 64-byte frame header (documented there)

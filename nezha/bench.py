@@ -67,11 +67,13 @@ class BenchPlan:
 def bench_rank(rank, world, master, rails, plan: BenchPlan) -> dict:
     """One rank's part: every system in turn, every size; rank 0 serves the store."""
     from .baselines import make_context
+    from .config import Config
     from .store import StoreClient, StoreServer
     host, _, port = master.rpartition(":")
     port = int(port)
-    server = StoreServer("0.0.0.0", port) if rank == 0 else None
-    store = StoreClient(host, port, timeout=plan.timeout)
+    secret = Config.from_env().job_secret      # NEZHA_JOB_SECRET, as every Context reads it
+    server = StoreServer(host, port, secret=secret) if rank == 0 else None
+    store = StoreClient(host, port, timeout=plan.timeout, secret=secret)
     results, errors = {}, {}
     try:
         for si, system in enumerate(plan.systems):

@@ -23,6 +23,10 @@ NEZHA_TIMEOUT               float    30              s for rendezvous and for ea
 NEZHA_EVENT_LOG             path     (none)          JSON-lines event log (nezha/events.py)
 NEZHA_LOG_OPS               flag     0               1: call / op_start / op_end events
 NEZHA_STORE_EXTERNAL        flag     0               1: rank 0 does not serve the store
+NEZHA_JOB_SECRET            str      (none)          shared secret of the job's ranks (>= 16
+                                                     characters): authenticates every store
+                                                     request and rail connection; unset: none
+NEZHA_STORE_MAX_CLIENTS     int      4 x world + 16  connections the store serves at once
 NEZHA_SOCKBUF               int      (autotuning)    SO_SNDBUF/SO_RCVBUF bytes; 0 = autotuning
 NEZHA_TCP_USER_TIMEOUT_MS   int      the timeout     TCP_USER_TIMEOUT; 0 = the context timeout
 NEZHA_NOTSENT_LOWAT         int      262144          TCP_NOTSENT_LOWAT bytes (256 KiB); 0 = off
@@ -50,10 +54,12 @@ NEZHA_RAIL_NAMES            list     -               set by the testbed; nezha i
 """
 from __future__ import annotations
 
+import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Mapping, Optional, TypeVar
 
+from .auth import MIN_SECRET
 from .errors import ConfigError
 
 T = TypeVar("T")
@@ -82,7 +88,17 @@ class _Env:
         return self._typed(name, int, "an integer", default)
 
     def float(self, name: str, default=None):
-        return self._typed(name, float, "a number", default)
+        v = self._typed(name, float, "a number", default)
+        if v is not None and not math.isfinite(v):
+            raise ConfigError(f"{name}={self.str(name)!r} is not a finite number")
+        return v
+
+    def secret(self, name: str) -> Optional[str]:
+        v = self.str(name)
+        if v is not None and len(v.encode()) < MIN_SECRET:
+            raise ConfigError(f"{name} is shorter than {MIN_SECRET} characters (e.g. python -c "
+                              f"'import secrets; print(secrets.token_hex(16))')")
+        return v
 
 
 @dataclass(frozen=True)
@@ -98,6 +114,8 @@ class Config:
     event_log: Optional[str] = None
     log_ops: bool = False
     store_external: bool = False
+    job_secret: Optional[str] = field(default=None, repr=False)   # never in a repr or log
+    store_max_clients: int = 0        # 0: 4 x world size + 16
     sockbuf: Optional[int] = None
     tcp_user_timeout_ms: Optional[int] = None
     notsent_lowat: int = 256 << 10
@@ -124,6 +142,8 @@ class Config:
             event_log=e.str("NEZHA_EVENT_LOG"),
             log_ops=e.str("NEZHA_LOG_OPS", "0") == "1",
             store_external=e.str("NEZHA_STORE_EXTERNAL", "0") == "1",
+            job_secret=e.secret("NEZHA_JOB_SECRET"),
+            store_max_clients=e.int("NEZHA_STORE_MAX_CLIENTS", 0),
             sockbuf=e.int("NEZHA_SOCKBUF") or None,
             tcp_user_timeout_ms=e.int("NEZHA_TCP_USER_TIMEOUT_MS") or None,
             notsent_lowat=e.int("NEZHA_NOTSENT_LOWAT", d.notsent_lowat),

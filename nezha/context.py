@@ -8,6 +8,8 @@ or ``Context.from_env()`` with NEZHA_RANK, NEZHA_WORLD_SIZE, NEZHA_RAILS, NEZHA_
 NEZHA_MASTER_PORT (and optionally NEZHA_SYSTEM, NEZHA_TIMEOUT, NEZHA_EVENT_LOG). Every
 NEZHA_* variable (the other knobs included) is read once, by ``nezha.config.Config``, and
 documented there; arguments win over the environment; ``config=Config(...)`` replaces it.
+``secret=`` (or NEZHA_JOB_SECRET), the same on every rank, authenticates every store request
+and rail connection (auth.py, rendezvous.py); without one the job is unauthenticated.
 
 Semantics: collectives are called in the same order with matching arguments on every rank
 (a mismatch is detected and raised on every rank, at the latest at the next collective);
@@ -56,9 +58,10 @@ class Context:
                  chunk_bytes: int = 512 << 10, events: str | None = None,
                  serve_store: bool | None = None, group: str = "nezha",
                  sockbuf: int | None = None, log_ops: bool = False,
-                 config: Config | None = None):
+                 config: Config | None = None, secret: str | bytes | None = None):
         cfg = _settings(config if config is not None else Config.from_env(),
                         rank=rank, world_size=world_size, rails=rails, event_log=events,
+                        job_secret=secret or None,
                         timeout=None if timeout is None else float(timeout),
                         system=system or None, sockbuf=sockbuf or None, log_ops=log_ops or None)
         self._config = cfg
@@ -109,7 +112,8 @@ class Context:
         """Rendezvous, connections, health monitoring (rendezvous.py has the details)."""
         me = Member(self.rank, self.world_size, self.nrails, self.system,
                     tuple(self.rail_addrs), self.timeout)
-        self._rdv = rdv = Rendezvous(me, self._transport, self._engine, self.events)
+        self._rdv = rdv = Rendezvous(me, self._transport, self._engine, self.events,
+                                     secret=self._config.job_secret)
         endpoints = self._transport.listen()
         deadline = time.monotonic() + self.timeout
         rdv.open_store(store, master, serve_store, self._config)

@@ -41,6 +41,11 @@ class RendezvousAborted(RendezvousError):
     """Another rank failed the rendezvous and told everyone."""
 
 
+class AuthenticationError(StoreError, RendezvousError):
+    """The store or a peer did not prove the job secret, or refused our proof (a wrong or
+    missing NEZHA_JOB_SECRET on one side, or not a member of this job at all)."""
+
+
 class CommError(NezhaError):
     """A collective failed. The Context is unusable afterwards."""
 

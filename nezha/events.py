@@ -22,7 +22,10 @@ Event names and their fields (``rail`` is the rail index, ``peer`` a rank):
   rail_agreed     rail, state "down"|"up", by, peer, op  (rail usable by nobody / again)
   probe           peer, rail, next_in | ok=false, error  (re-connect attempt)
   rail_up         peer, rail, how "reconnected"|"accepted"
-  stray_connection  rail, peer "addr:port", reason        (a connection that is not one of ours)
+  stray_connection  rail, peer "addr:port", reason        (a rail connection refused: not one of
+                                                         ours, no proof of the secret, too many)
+  store_refused   peer "addr:port", reason               (the store refused a connection or request)
+  unauthenticated message                                (no job secret: said once per Context)
   error           error (class), message                 (the communicator failed)
   call / op_start / op_end   kind, bytes, [op]           (only with log_ops / NEZHA_LOG_OPS=1)
   b_sample        rail, bytes, seconds, op               (an operation's cost sample on a rail,

@@ -28,8 +28,11 @@ NEZHA_CHECK_TIMEOUT_MS, NEZHA_HEARTBEAT_MS and NEZHA_HEARTBEAT_TIMEOUT_MS from t
 A failed connection's unacknowledged chunks move to the surviving rails (engine/failover.py)
 and every rank is told (CONTROL "down"): all stop using that rail for data, the split
 restarts COLD for the new rail set at the next estimate exchange. The higher rank of the
-pair re-connects with exponential back-off (PROBE_MIN .. PROBE_MAX); on success the rail
-rejoins (CONTROL "up") once no rank reports it down.
+pair re-connects with exponential back-off (PROBE_MIN .. PROBE_MAX), through the same
+authenticated handshake as the first connect (``rejoin`` is rendezvous.Rendezvous.rejoin: it
+raises while the path is broken or the peer refuses, e.g. an unauthenticated peer whose end of
+the connection is still alive); on success the rail rejoins (CONTROL "up") once no rank
+reports it down.
 Events: rail_check, rail_alive, rail_suspected, rail_down, rerouted, rail_agreed, probe, rail_up.
 """
 from __future__ import annotations

@@ -1,17 +1,36 @@
-"""Rendezvous and handshake: from a rank number to a connection per (peer, rail).
+"""Rendezvous and handshake: from a rank number to an authenticated connection per (peer, rail).
 
-1. Meet (``Rendezvous.meet``): through the key-value store (served by rank 0 unless
-   NEZHA_STORE_EXTERNAL=1), every rank claims its rank (a second claim aborts the job),
-   rank 0 draws a random session token, and every rank publishes its listening endpoints
-   and checks that all agree on world size, rail count and system.
+1. Meet (``Rendezvous.meet``): through the key-value store (served by rank 0 on the master
+   address unless NEZHA_STORE_EXTERNAL=1; every store connection proves the job secret,
+   store.py), every rank claims its rank (a second claim aborts the job), rank 0 draws a
+   random session token, and every rank publishes its listening endpoints and checks that all
+   agree on world size, rail count and system. The rail key is HMAC(secret, session, group).
 2. Connect (``Rendezvous.connect``): every rank dials the lower ranks on every rail and
-   accepts the higher ones. Every connection starts with a HELLO (wire.py) carrying rank,
-   rail and session; an accepted connection whose HELLO is wrong, late (HELLO_TIMEOUT) or
-   too large (MAX_HELLO) is closed and logged (``stray_connection``), each in a thread of
-   its own, so a stranger holding a half-sent HELLO cannot stall the real ranks.
-3. Rejoin: the listeners stay open. The higher rank of a failed pair re-dials
-   (``rejoin``, called by health.py) and the lower rank admits it with the same checks; the
-   new connection replaces the old one in the engine (``rail_up``).
+   accepts the higher ones. Every connection starts with this handshake (wire.py's HELLO and
+   AUTH frames; auth.py)::
+
+       dialler  -> acceptor  HELLO {rank, rail, world, nonce Nd, auth, rejoin}
+       acceptor -> dialler   AUTH  {nonce Na, proof HMAC(K, "acceptor", T), auth}
+       dialler  -> acceptor  AUTH  {proof HMAC(K, "dialler", T)}
+       acceptor -> dialler   AUTH  {ok: true, token} | {ok: false, reason}
+
+   T = (dialler rank, acceptor rank, rail, world size, Nd, Na), Nd and Na 32 fresh random bytes;
+   K = the rail key on the first connect, HMAC(rail key, token) on a rejoin, where token is
+   the random value the acceptor sent in the verdict of that pair's first connection on that
+   rail (it never goes through the store). Each side checks the other's proof; a socket
+   becomes a Connection only after the verdict, so no frame is taken from a peer that has not
+   proven K, and a recorded handshake replayed later fails on the new Na / Nd. An accepted
+   connection whose handshake is wrong, late (HELLO_TIMEOUT for all of it), too large
+   (MAX_HELLO) or beyond the cap of handshakes in progress is closed and logged
+   (``stray_connection``), each in a thread of its own, so a stranger holding a half-sent
+   HELLO cannot stall the real ranks.
+3. Rejoin: the listeners stay open. The higher rank of a failed pair re-dials (``rejoin``,
+   called by health.py) and the lower rank admits it with the same handshake; the new
+   connection replaces the old one in the engine (``rail_up``). With a job secret it may
+   replace one the acceptor still thinks alive (the dialler saw it fail first); without one,
+   only a connection the engine already considers failed (the acceptor waits up to REJOIN_WAIT
+   for the dialler's "down" report): whatever a stranger learns from an unauthenticated store,
+   it cannot take over a live connection.
 """
 from __future__ import annotations
 
@@ -19,22 +38,86 @@ import json
 import os
 import secrets
 import socket
+import struct
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Optional
 
-from . import wire
+from . import auth, wire
 from .config import Config
-from .errors import (ConfigError, DuplicateRankError, MissingRankError, NezhaError,
-                     RendezvousAborted, RendezvousError, StoreError, StoreTimeout,
+from .errors import (AuthenticationError, ConfigError, DuplicateRankError, MissingRankError,
+                     NezhaError, RendezvousAborted, RendezvousError, StoreError, StoreTimeout,
                      WorldSizeMismatchError)
 from .store import StoreClient, StoreServer
 from .transport import Connection
-from .transport.base import recv_exact_into, send_vec
+from .transport.base import send_vec
 
-HELLO_TIMEOUT = 5.0       # s a connecting peer has to send its HELLO
-MAX_HELLO = 64 << 10      # bytes of HELLO body accepted
+HELLO_TIMEOUT = 5.0       # s an accepted connection has for its whole handshake
+REJOIN_TIMEOUT = 2.5      # s the dialler of a rejoin waits for the handshake
+REJOIN_ACCEPT = 3.0       # s the acceptor of a rejoin gives it
+REJOIN_WAIT = 1.0         # s an unauthenticated rejoin waits for the old connection to fail
+MAX_HELLO = 4 << 10       # bytes of HELLO / AUTH body accepted
+
+_ACCEPTOR, _DIALLER = b"nezha-rail-acceptor", b"nezha-rail-dialler"
+_T = struct.Struct("!IIII")
+
+
+class _Refused(ConnectionError):
+    """The other side of a handshake said no, and why."""
+
+
+def _no_constants(name):
+    raise ValueError(f"{name} in a handshake")
+
+
+def _recv_by(s, view, deadline: float, what: str) -> None:
+    """Fill ``view`` by ``deadline`` (the whole read, not each recv: a peer dribbling bytes
+    cannot stretch it)."""
+    got = 0
+    while got < len(view):
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise socket.timeout(f"{what}: not complete in time")
+        s.settimeout(left)
+        k = s.recv_into(view[got:])
+        if k == 0:
+            raise ConnectionError(f"closed during {what}")
+        got += k
+
+
+def _read_frame(s, want: int, src: Optional[int], deadline: float, what: str):
+    """One handshake frame of type ``want`` (from ``src``): (header, JSON object)."""
+    hb = bytearray(wire.HEADER_SIZE)
+    _recv_by(s, memoryview(hb), deadline, what)
+    h = wire.unpack(hb)
+    if h.type != want:
+        raise ConnectionError(f"{wire.TYPE_NAMES.get(h.type, h.type)} frame instead of "
+                              f"{wire.TYPE_NAMES[want]} ({what})")
+    if src is not None and h.src != src:
+        raise ConnectionError(f"{what} claims rank {h.src}, expected rank {src}")
+    if h.length > MAX_HELLO:
+        raise ConnectionError(f"{wire.TYPE_NAMES[want]} of {h.length} bytes (at most {MAX_HELLO})")
+    body = bytearray(h.length)
+    _recv_by(s, memoryview(body), deadline, what)
+    m = json.loads(body, parse_constant=_no_constants)
+    if not isinstance(m, dict):
+        raise ConnectionError(f"{wire.TYPE_NAMES[want]} body is not a JSON object")
+    return h, m
+
+
+def _hex(m: dict, name: str, n: int) -> bytes:
+    v = m.get(name)
+    if not isinstance(v, str) or len(v) != 2 * n:
+        raise ConnectionError(f"handshake without a valid {name}")
+    return bytes.fromhex(v)
+
+
+def _int(m: dict, name: str) -> int:
+    v = m.get(name)
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise ConnectionError(f"handshake without a valid {name}")
+    return v
 
 
 def parse_master(master, config: Config) -> tuple[str, int]:
@@ -69,27 +152,40 @@ def _left(deadline: float, least: float = 0.0) -> float:
 
 
 class Rendezvous:
-    """One rank's side of meeting and connecting (see the module docstring)."""
+    """One rank's side of meeting and connecting (see the module docstring). ``secret``: the
+    job secret (None: unauthenticated, said once in the log and the event log)."""
 
-    def __init__(self, me: Member, transport, engine, events):
+    def __init__(self, me: Member, transport, engine, events, secret=None):
         self.me, self.transport, self.engine, self.events = me, transport, engine, events
+        self.secret = auth.secret_bytes(secret)
         self.store: Optional[StoreClient] = None
         self.server: Optional[StoreServer] = None   # ours if we serve the store
         self.owned_store: Optional[StoreClient] = None
         self.infos: list = []
         self.session = ""
         self.pre = ""
+        self.rail_key = b""
+        self.tokens: dict = {}      # (peer, rail) -> token of the pair's first connection there
+        self.max_handshakes = 4 * me.world_size * max(1, me.nrails) + 16
+        self._handshakes = 0
+        self._hs_lock = threading.Lock()
+        if not self.secret:
+            auth.warn(events, f"rank {me.rank}")
 
     # ------------------------------------------------------------------ 1. meet
     def open_store(self, store, master, serve_store: Optional[bool], config: Config) -> None:
-        """Use the given store client, or connect to (and maybe serve) the one at ``master``."""
+        """Use the given store client, or connect to (and maybe serve) the one at ``master``.
+        The store binds the master address only (not every interface)."""
         if store is None:
             host, port = parse_master(master, config)
             if serve_store is None:
                 serve_store = self.me.rank == 0 and not config.store_external
             if serve_store:
-                self.server = StoreServer("0.0.0.0", port)
-            store = self.owned_store = StoreClient(host, port, timeout=self.me.timeout)
+                cap = config.store_max_clients or 4 * self.me.world_size + 16
+                self.server = StoreServer(host, port, secret=self.secret, max_clients=cap,
+                                          events=self.events)
+            store = self.owned_store = StoreClient(host, port, timeout=self.me.timeout,
+                                                   secret=self.secret)
         self.store = store
 
     def meet(self, group: str, endpoints, deadline: float) -> None:
@@ -101,7 +197,7 @@ class Rendezvous:
             store.abort(msg)
             raise DuplicateRankError(msg)
         if me.rank == 0:
-            store.set(pre + "session", secrets.token_hex(8))
+            store.set(pre + "session", secrets.token_hex(16))
         info = {"world": me.world_size, "rails": endpoints, "nrails": me.nrails,
                 "system": me.system, "host": socket.gethostname(), "pid": os.getpid()}
         store.set(pre + f"info/{me.rank}", json.dumps(info))
@@ -110,6 +206,8 @@ class Rendezvous:
         self.infos = [json.loads(store.get(k, 1.0)) for k in keys]
         self._check_infos()
         self.session = store.get(pre + "session", _left(deadline, 0.1))
+        self.rail_key = auth.mac(self.secret, b"nezha-rail-key", self.session.encode(),
+                                 group.encode())
 
     def _wait_infos(self, keys, deadline: float) -> None:
         me, store = self.me, self.store
@@ -184,58 +282,145 @@ class Rendezvous:
         for c in eng.conns.values():
             c.start()
         # listeners stay open: a failed rail's higher rank reconnects through them
+        rejoins = _Rejoins(self)
         for r, ls in enumerate(self.transport.listeners):
-            threading.Thread(target=self._rejoin_acceptor, args=(r, ls), daemon=True,
+            threading.Thread(target=self._rejoin_acceptor, args=(r, ls, rejoins), daemon=True,
                              name=f"nz-accept-r{r}").start()
 
     def _dial(self, peer: int, rail: int, deadline: float) -> socket.socket:
+        """A connection to ``peer`` on ``rail`` through the handshake. A connection closed
+        before the verdict (the peer not listening yet, or at its cap of handshakes) is tried
+        again until ``deadline``; a refusal or a failed proof is final."""
         dest = self.infos[peer]["rails"][rail]
-        try:
-            s = self.transport.connect(rail, dest, _left(deadline, 0.1))
-            send_vec(s, [self._hello(rail)])
-        except OSError as e:
-            raise RendezvousError(f"rank {self.me.rank} cannot connect to rank {peer} on rail "
-                                  f"{rail} ({self.me.rail_addrs[rail]} -> {dest[0]}:{dest[1]}): "
-                                  f"{e.strerror or e}") from e
-        return s
+        where = (f"rank {self.me.rank} -> rank {peer} on rail {rail} "
+                 f"({self.me.rail_addrs[rail]} -> {dest[0]}:{dest[1]})")
+        while True:
+            try:
+                s = self.transport.connect(rail, dest, _left(deadline, 0.1))
+            except OSError as e:
+                raise RendezvousError(f"{where}: cannot connect: {e.strerror or e}") from e
+            try:
+                verdict = self._dial_handshake(s, peer, rail, self.rail_key, False, deadline)
+                self.tokens[(peer, rail)] = _hex(verdict, "token", auth.NONCE_BYTES)
+                s.settimeout(None)
+                return s
+            except AuthenticationError as e:
+                s.close()
+                raise AuthenticationError(f"{where}: {e}") from None
+            except _Refused as e:
+                s.close()
+                raise RendezvousError(f"{where}: refused: {e}") from None
+            except (OSError, ConnectionError, ValueError, NezhaError) as e:
+                s.close()
+                if time.monotonic() >= deadline - 0.05:
+                    raise RendezvousError(f"{where}: no handshake within {self.me.timeout:g} s: "
+                                          f"{type(e).__name__}: {e}") from None
+                time.sleep(0.05)
 
-    # ------------------------------------------------------------------ HELLO
-    def _hello(self, rail: int) -> bytes:
-        body = json.dumps({"rank": self.me.rank, "rail": rail, "session": self.session,
-                           "world": self.me.world_size}).encode()
-        return wire.frame(wire.HELLO, body, rail=rail, src=self.me.rank)
+    # ------------------------------------------------------------------ handshake
+    def _transcript(self, dialler: int, acceptor: int, rail: int, nd: bytes, na: bytes):
+        return (_T.pack(dialler, acceptor, rail, self.me.world_size), nd, na)
 
-    @staticmethod
-    def _read_hello(s, timeout: float) -> dict:
-        s.settimeout(timeout)
-        hb = bytearray(wire.HEADER_SIZE)
-        if not recv_exact_into(s, memoryview(hb), "hello"):
-            raise ConnectionError("closed before HELLO")
-        h = wire.unpack(hb)
-        if h.type != wire.HELLO:
-            raise ConnectionError(f"first frame is {wire.TYPE_NAMES.get(h.type, h.type)}, not HELLO")
-        if h.length > MAX_HELLO:
-            raise ConnectionError(f"HELLO of {h.length} bytes (at most {MAX_HELLO})")
-        body = bytearray(h.length)
-        recv_exact_into(s, memoryview(body), "hello")
+    def _say(self, s, rail: int, body: dict) -> None:
+        """Send one AUTH frame (small: it never waits on a full socket buffer for long)."""
+        s.settimeout(1.0)
+        send_vec(s, [wire.frame(wire.AUTH, json.dumps(body).encode(), rail=rail,
+                                src=self.me.rank)])
         s.settimeout(None)
-        m = json.loads(body)
-        if not isinstance(m, dict):
-            raise ConnectionError("HELLO body is not a JSON object")
-        return m
 
-    def start_handshake(self, rail: int, s, addr, admit: Callable, timeout: float) -> None:
-        """Read the HELLO of an accepted connection and hand it to ``admit(rail, s, hello)``
-        (which raises to refuse it), in a thread of its own: a peer that sends half a HELLO
-        and holds the socket must not keep the real ranks waiting at accept()."""
+    def _dial_handshake(self, s, peer: int, rail: int, key: bytes, rejoin: bool,
+                        deadline: float) -> dict:
+        """The dialler's side; returns the acceptor's verdict {"ok": true, ...}. Raises
+        AuthenticationError (no proof, secret on one side only), _Refused, or a socket error."""
+        me, mine = self.me, bool(self.secret)
+        nd = auth.nonce()
+        hello = {"rank": me.rank, "rail": rail, "world": me.world_size, "nonce": nd.hex(),
+                 "auth": mine, "rejoin": rejoin}
+        s.settimeout(max(0.01, deadline - time.monotonic()))
+        send_vec(s, [wire.frame(wire.HELLO, json.dumps(hello).encode(), rail=rail, src=me.rank)])
+        _, m = _read_frame(s, wire.AUTH, peer, deadline, f"the challenge of rank {peer}")
+        if "auth" in m and bool(m["auth"]) != mine:
+            raise AuthenticationError(
+                f"rank {peer} has {'a' if m['auth'] else 'no'} job secret, this rank has "
+                f"{'one' if mine else 'none'} (NEZHA_JOB_SECRET must be the same on every rank)")
+        if m.get("ok") is False:
+            raise _Refused(str(m.get("reason"))[:300])
+        na = _hex(m, "nonce", auth.NONCE_BYTES)
+        t = self._transcript(me.rank, peer, rail, nd, na)
+        if not auth.same(_hex(m, "proof", auth.TAG_BYTES), auth.mac(key, _ACCEPTOR, *t)):
+            raise AuthenticationError(f"rank {peer} did not prove the job secret")
+        self._say(s, rail, {"proof": auth.mac(key, _DIALLER, *t).hex()})
+        _, v = _read_frame(s, wire.AUTH, peer, deadline, f"the verdict of rank {peer}")
+        if v.get("ok") is not True:
+            raise _Refused(str(v.get("reason"))[:300])
+        return v
+
+    def start_handshake(self, rail: int, s, addr, gate, timeout: float) -> None:
+        """Run the acceptor's side of the handshake of an accepted connection in a thread of
+        its own (a peer that sends half a HELLO and holds the socket must not keep the real
+        ranks waiting at accept()), at most ``max_handshakes`` at once. ``gate`` says which
+        key a dialler must prove (``key(peer, rail, rejoin)``) and takes the proven socket
+        (``admit(rail, s, peer)``); either raises to refuse it."""
+        with self._hs_lock:
+            busy = self._handshakes >= self.max_handshakes
+            if not busy:
+                self._handshakes += 1
+        if busy:
+            self._reject(s, rail, addr, ConnectionError(
+                f"{self.max_handshakes} handshakes already in progress"))
+            return
+
         def run():
             try:
-                m = self._read_hello(s, timeout)
-                self.transport.tune(s)
-                admit(rail, s, m)
+                self._accept_handshake(rail, s, gate, time.monotonic() + timeout)
             except (OSError, ValueError, KeyError, TypeError, NezhaError, ConnectionError) as e:
                 self._reject(s, rail, addr, e)
+            finally:
+                with self._hs_lock:
+                    self._handshakes -= 1
         threading.Thread(target=run, daemon=True, name=f"nz-hello-r{rail}").start()
+
+    def _accept_handshake(self, rail: int, s, gate, deadline: float) -> None:
+        me, mine = self.me, bool(self.secret)
+        h, m = _read_frame(s, wire.HELLO, None, deadline, "HELLO")
+        peer = _int(m, "rank")
+        if h.src != peer or m.get("rail") != rail or m.get("world") != me.world_size:
+            raise ConnectionError(f"unexpected HELLO (src {h.src}, rail {rail}): "
+                                  f"{json.dumps(m)[:200]}")
+        nd = _hex(m, "nonce", auth.NONCE_BYTES)
+        if bool(m.get("auth")) != mine:
+            why = (f"this job has {'a' if mine else 'no'} job secret, the dialler "
+                   f"{'has one' if m.get('auth') else 'has none'}")
+            self._refuse(s, rail, why)
+            raise AuthenticationError(why)
+        try:
+            key = gate.key(peer, rail, m.get("rejoin") is True)
+        except ConnectionError as e:
+            self._refuse(s, rail, str(e))
+            raise
+        na = auth.nonce()
+        t = self._transcript(peer, me.rank, rail, nd, na)
+        self._say(s, rail, {"nonce": na.hex(), "proof": auth.mac(key, _ACCEPTOR, *t).hex(),
+                            "auth": mine})
+        _, p = _read_frame(s, wire.AUTH, peer, deadline, f"the proof of rank {peer}")
+        if not auth.same(_hex(p, "proof", auth.TAG_BYTES), auth.mac(key, _DIALLER, *t)):
+            self._refuse(s, rail, "no proof of the job secret")
+            raise AuthenticationError(f"a connection claiming rank {peer} did not prove the "
+                                      f"job secret")
+        self.transport.tune(s)
+        s.settimeout(None)
+        try:
+            gate.admit(rail, s, peer)
+        except ConnectionError as e:
+            self._refuse(s, rail, str(e))
+            raise
+
+    def _refuse(self, s, rail: int, why: str) -> None:
+        """Tell the dialler why (best effort: it may not be listening)."""
+        try:
+            self._say(s, rail, {"ok": False, "auth": bool(self.secret), "reason": why[:300]})
+        except OSError:
+            pass
 
     def _reject(self, s, rail, addr, why):
         """Close a connection that is not one of ours, and say so in the event log."""
@@ -247,14 +432,34 @@ class Rendezvous:
                              reason=f"{type(why).__name__}: {why}"[:300])
 
     # ------------------------------------------------------------------ 3. rejoin
-    def _install(self, sock, peer, rail, how) -> bool:
+    def _rejoin_key(self, peer: int, rail: int) -> bytes:
+        token = self.tokens.get((peer, rail))
+        if token is None:
+            raise ConnectionError(f"no first connection with rank {peer} on rail {rail}")
+        return auth.mac(self.rail_key, b"nezha-rejoin", token)
+
+    def _install(self, sock, peer, rail, how, greet=None) -> bool:
+        """Make ``sock`` the engine's connection to ``peer`` on ``rail``. ``greet`` (the
+        acceptor's verdict) is sent first, so it precedes every frame of the Connection.
+        Without a job secret a live connection is never replaced (ConnectionError)."""
         eng = self.engine
         conn = Connection(sock, peer, rail, eng)
         with eng.cond:
+            old = eng.conns.get((peer, rail))
+            if not self.secret and old is not None:
+                end = time.monotonic() + REJOIN_WAIT
+                while old.alive and (peer, rail) not in eng.dead and not eng.closing:
+                    left = end - time.monotonic()
+                    if left <= 0:
+                        raise ConnectionError(
+                            f"rank {peer} is still connected on rail {rail}: without a job "
+                            f"secret only a failed connection is replaced")
+                    eng.cond.wait(min(left, 0.05))
             if eng.closing or eng.error is not None or peer in eng.gone:
                 sock.close()
                 return False
-            old = eng.conns.get((peer, rail))
+            if greet is not None:
+                greet()
             eng.conns[(peer, rail)] = conn
             eng.dead.discard((peer, rail))
         if old is not None and old.alive:
@@ -266,7 +471,7 @@ class Rendezvous:
         eng.report_rail("up", rail, peer)
         return True
 
-    def _rejoin_acceptor(self, rail, lsock):
+    def _rejoin_acceptor(self, rail, lsock, gate):
         while not self.engine.closing:
             try:
                 lsock.settimeout(0.5)
@@ -275,25 +480,40 @@ class Rendezvous:
                 continue
             except OSError:
                 return
-            self.start_handshake(rail, s, addr, self._admit_rejoin, 2.0)
-
-    def _admit_rejoin(self, rail, s, m):
-        peer = int(m["rank"])
-        if (m["session"] != self.session or m["rail"] != rail or
-                not self.me.rank < peer < self.me.world_size):
-            raise ConnectionError(f"unexpected HELLO {m}")
-        self._install(s, peer, rail, "accepted")
+            self.start_handshake(rail, s, addr, gate, REJOIN_ACCEPT)
 
     def rejoin(self, peer: int, rail: int) -> None:
-        """Reconnect a failed rail to a lower rank (called by the health thread)."""
+        """Reconnect a failed rail to a lower rank (called by the health thread); raises while
+        it cannot (the path still broken, or the peer refused)."""
         dest = self.infos[peer]["rails"][rail]
+        key = self._rejoin_key(peer, rail)
         s = self.transport.connect(rail, dest, 0.5, retry=False)
         try:
-            send_vec(s, [self._hello(rail)])
-        except OSError:
+            self._dial_handshake(s, peer, rail, key, True, time.monotonic() + REJOIN_TIMEOUT)
+            s.settimeout(None)
+        except BaseException:
             s.close()
             raise
         self._install(s, peer, rail, "reconnected")
+
+
+class _Rejoins:
+    """The accepting half of a rejoin: a higher rank re-dialling a rail, with the pair's key."""
+
+    def __init__(self, rdv: Rendezvous):
+        self.rdv = rdv
+
+    def key(self, peer: int, rail: int, rejoin: bool) -> bytes:
+        me = self.rdv.me
+        if not rejoin:
+            raise ConnectionError("a first connection after this rank finished connecting")
+        if not me.rank < peer < me.world_size:
+            raise ConnectionError(f"rank {peer} does not dial rank {me.rank}")
+        return self.rdv._rejoin_key(peer, rail)
+
+    def admit(self, rail: int, s, peer: int) -> None:
+        rdv = self.rdv
+        rdv._install(s, peer, rail, "accepted", greet=lambda: rdv._say(s, rail, {"ok": True}))
 
 
 class _Admission:
@@ -306,17 +526,37 @@ class _Admission:
         self.expected = {(p, r) for p in range(me.rank + 1, me.world_size)
                          for r in range(me.nrails)}
         self.socks: dict = {}
+        self.claimed: set = set()      # proven, verdict being sent
         self.errors: list = []
         self.lock = threading.Lock()
 
-    def admit(self, rail, s, m):
-        if (m["session"] != self.rdv.session or m["rail"] != rail
-                or (m["rank"], rail) not in self.expected):
-            raise ConnectionError(f"unexpected HELLO {m}")
+    def key(self, peer: int, rail: int, rejoin: bool) -> bytes:
+        if rejoin:
+            raise ConnectionError("a rejoin before this rank finished connecting")
+        if (peer, rail) not in self.expected:
+            raise ConnectionError(f"rank {peer} does not dial rank {self.rdv.me.rank} on rail {rail}")
         with self.lock:
-            if (m["rank"], rail) in self.socks:
-                raise ConnectionError(f"second connection from rank {m['rank']} rail {rail}")
-            self.socks[(m["rank"], rail)] = s
+            if (peer, rail) in self.socks or (peer, rail) in self.claimed:
+                raise ConnectionError(f"second connection from rank {peer} rail {rail}")
+        return self.rdv.rail_key
+
+    def admit(self, rail, s, peer):
+        with self.lock:
+            if (peer, rail) in self.socks or (peer, rail) in self.claimed:
+                raise ConnectionError(f"second connection from rank {peer} rail {rail}")
+            self.claimed.add((peer, rail))
+        token = auth.nonce()
+        try:
+            # the verdict goes out before the socket counts as gathered: connect() starts the
+            # Connections (and their frames) as soon as every socket is there
+            self.rdv._say(s, rail, {"ok": True, "token": token.hex()})
+        except OSError:
+            with self.lock:
+                self.claimed.discard((peer, rail))
+            raise
+        self.rdv.tokens[(peer, rail)] = token
+        with self.lock:
+            self.socks[(peer, rail)] = s
 
     def accept_loop(self, rail, lsock):
         while True:
@@ -335,7 +575,7 @@ class _Admission:
             except OSError as e:
                 self.errors.append(e)
                 return
-            self.rdv.start_handshake(rail, s, addr, self.admit,
+            self.rdv.start_handshake(rail, s, addr, self,
                                      max(0.1, min(HELLO_TIMEOUT, self.deadline - time.monotonic())))
 
     def result(self) -> dict:

@@ -3,8 +3,9 @@
 All integers are big-endian (network order). Layout (byte offset, size, field)::
 
      0  4  magic       b"NZHA"
-     4  1  version     1
-     5  1  type        1 HELLO, 2 DATA, 3 ACK, 4 HEARTBEAT, 5 CONTROL, 6 ABORT, 7 BYE, 8 PROBE
+     4  1  version     2
+     5  1  type        1 HELLO, 2 DATA, 3 ACK, 4 HEARTBEAT, 5 CONTROL, 6 ABORT, 7 BYE, 8 PROBE,
+                       9 AUTH
      6  1  kind        collective: 0 none, 1 allreduce, 2 broadcast, 3 allgather,
                        4 reduce_scatter, 5 barrier, 6 control (estimate exchange)
      7  1  dtype       0 none/bytes, 1 float32, 2 float64, 3 float16, 4 int32, 5 int64,
@@ -29,8 +30,13 @@ A DATA frame is identified by (src, op_id, step, offset): the receiver places it
 ignores repeats. That is what lets a sender move a chunk to another rail.
 
 Per type:
-  * HELLO: first frame of every connection; payload JSON {"rank", "rail", "session",
-    "world"} (session = random token of this job, from the store).
+  * HELLO: first frame of every connection, from the dialling rank; payload JSON {"rank",
+    "rail", "world", "nonce" (32 random bytes, hex), "auth" (the dialler has a job secret),
+    "rejoin" (false on the first connect)}.
+  * AUTH: the rest of the handshake (rendezvous.py has the protocol): the accepting rank's
+    {"nonce", "proof", "auth"}, the dialler's {"proof"}, then the accepting rank's verdict
+    {"ok": true, "token"} or {"ok": false, "reason"}. No other frame is read or sent on a
+    connection before its verdict; an AUTH on an established connection is a protocol error.
   * DATA: kind/dtype/redop/op_total/msg_total describe the sender's call and are checked
     against the receiver's (a mismatch is an error, never a wrong result); aux = root.
   * ACK: echoes op_id, step, chunk, offset, msg_total of a DATA frame; aux = its length;
@@ -47,7 +53,7 @@ Per type:
   * BYE: graceful close (the receiver flushes and closes its side).
   * PROBE: reserved.
 Validation on receipt: magic, version, CRC, known type/kind/dtype/redop, payload limits
-(DATA <= 64 MiB, control <= 64 KiB, none for ACK/HEARTBEAT/BYE), chunk inside the message;
+(DATA <= 64 MiB, control <= 64 KiB, none for ACK/HEARTBEAT/BYE/PROBE), chunk inside the message;
 the engine then checks the frame against the posted receive (sizes, collective, op range).
 """
 from __future__ import annotations
@@ -59,13 +65,13 @@ from typing import NamedTuple
 from .errors import ProtocolError
 
 MAGIC = b"NZHA"
-VERSION = 1
+VERSION = 2       # 2: the authenticated handshake (HELLO fields, AUTH)
 
-HELLO, DATA, ACK, HEARTBEAT, CONTROL, ABORT, BYE, PROBE = range(1, 9)
+HELLO, DATA, ACK, HEARTBEAT, CONTROL, ABORT, BYE, PROBE, AUTH = range(1, 10)
 COPY_SHIFT = 16        # DATA aux: (1 + share rail) << COPY_SHIFT marks a hedge copy
 ROOT_MASK = (1 << COPY_SHIFT) - 1
 TYPE_NAMES = {HELLO: "HELLO", DATA: "DATA", ACK: "ACK", HEARTBEAT: "HEARTBEAT",
-              CONTROL: "CONTROL", ABORT: "ABORT", BYE: "BYE", PROBE: "PROBE"}
+              CONTROL: "CONTROL", ABORT: "ABORT", BYE: "BYE", PROBE: "PROBE", AUTH: "AUTH"}
 
 K_NONE, K_ALLREDUCE, K_BROADCAST, K_ALLGATHER, K_REDUCE_SCATTER, K_BARRIER, K_CONTROL = range(7)
 KIND_NAMES = {K_NONE: "none", K_ALLREDUCE: "allreduce", K_BROADCAST: "broadcast",
@@ -85,7 +91,7 @@ HEADER_SIZE = _BODY.size + _CRC.size
 assert HEADER_SIZE == 64
 
 MAX_PAYLOAD = 64 << 20          # one frame never carries more than this
-MAX_CONTROL_PAYLOAD = 64 << 10  # HELLO / ABORT / CONTROL payloads
+MAX_CONTROL_PAYLOAD = 64 << 10  # HELLO / AUTH / ABORT / CONTROL payloads
 
 
 class Header(NamedTuple):
@@ -160,7 +166,7 @@ def unpack(data) -> Header:
             raise ProtocolError(f"DATA frame too long: {length} bytes")
         if offset + length > msg_total:
             raise ProtocolError(f"chunk [{offset}, {offset + length}) outside message of {msg_total} bytes")
-    elif type_ in (HELLO, ABORT, CONTROL):
+    elif type_ in (HELLO, AUTH, ABORT, CONTROL):
         if length > MAX_CONTROL_PAYLOAD:
             raise ProtocolError(f"{TYPE_NAMES[type_]} payload too long: {length} bytes")
     elif length != 0:

@@ -148,8 +148,17 @@ def _print_status(fab) -> None:
 def cmd_clean(args) -> int:
     _require_root()
     removed = state.clean(everything=args.all)
+    for u in removed["unreadable"]:
+        mine = [ns for ns in removed["kept"] if u.protects(ns)]
+        what = (f"its namespaces {state.PREFIX}{u.run_id}-* were left alone ({len(mine)}: "
+                f"{' '.join(mine[:8])}{' ...' if len(mine) > 8 else ''})" if u.run_id
+                else "it names no run id, so nothing was protected by it")
+        print(f"warning: kept run {u.run_id or '?'}: its state file {u.path} does not load "
+              f"({u.reason}); {what}. Look at the file, then delete it (and those namespaces: "
+              f"ip netns delete NAME) by hand.", file=sys.stderr)
     if not removed["namespaces"] and not removed["runs"]:
-        print("nothing to clean")
+        print("nothing to clean" + (" (some runs were kept, see above)"
+                                    if removed["unreadable"] else ""))
     else:
         print(f"removed {len(removed['namespaces'])} namespaces of {len(removed['runs'])} runs: "
               + " ".join(removed["namespaces"]))
@@ -187,6 +196,11 @@ def cmd_shell(args) -> int:
 def cmd_pcap(args) -> int:
     from testbed.pcap.report import main as pcap_main
     return pcap_main(args.results, as_json=args.json, rails=args.rails)
+
+
+def cmd_shapes(args) -> int:
+    from testbed.shapes import main as shapes_main
+    return shapes_main(args)
 
 
 # ------------------------------------------------------------------------------------- parser
@@ -244,6 +258,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true")
     s.add_argument("--rails", help="rail names in index order, e.g. r0,r1 (default: from files)")
     s.set_defaults(func=cmd_pcap)
+
+    from testbed.shapes import add_arguments as shapes_arguments
+    s = sub.add_parser("shapes", help="randomized topologies: nezha vs single rail vs MPTCP vs "
+                       "the bottleneck-aware optimum, one row per seed")
+    shapes_arguments(s)
+    s.set_defaults(func=cmd_shapes)
     return p
 
 

@@ -1,6 +1,24 @@
 """The testbed's errors. Each maps to an exit status, so the CLI never has to guess."""
 from __future__ import annotations
 
+import reprlib
+
+QUOTE_CHARS = 80    # an error message quotes at most this much of a value from the input
+_FIELD_CHARS = 120  # a field path names user keys too; past this it is cut as well
+
+
+def quote(value: object, limit: int = QUOTE_CHARS) -> str:
+    """``repr(value)`` cut to ``limit`` characters (ending in "..."), computed without ever
+    building the whole repr: a value from a YAML alias bomb quotes in microseconds."""
+    r = reprlib.Repr()
+    r.maxstring = r.maxother = r.maxlong = limit
+    r.maxlevel, r.maxlist, r.maxtuple, r.maxdict, r.maxset = 3, 8, 8, 8, 8
+    try:
+        text = r.repr(value)
+    except ValueError:            # an int too long for str() (over 4300 digits)
+        text = f"<{type(value).__name__}>"
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
 
 class TestbedError(Exception):
     """Base class; ``exit_code`` is what the CLI exits with."""
@@ -14,6 +32,8 @@ class SpecError(TestbedError):
     exit_code = 2
 
     def __init__(self, field: str, problem: str, accepted: str = "") -> None:
+        if len(field) > _FIELD_CHARS:
+            field = field[:_FIELD_CHARS - 3] + "..."
         self.field = field
         self.problem = problem
         self.accepted = accepted

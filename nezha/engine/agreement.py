@@ -30,8 +30,10 @@ class Agreement:
     def send_control(self, peer: int, body: dict, avoid=None) -> bool:
         """A CONTROL frame with a JSON body to ``peer`` (see ``_ctrl`` for the rail)."""
         data = json.dumps(body).encode()
-        return self._ctrl(peer, wire.frame(wire.CONTROL, data, src=self.rank, op_id=self.op_seq),
-                          avoid)
+        # op_seq is -1 before the first collective: the header's op_id is unsigned (and
+        # nobody reads it on a CONTROL frame; the body's "op" says which op it was)
+        return self._ctrl(peer, wire.frame(wire.CONTROL, data, src=self.rank,
+                                           op_id=max(self.op_seq, 0)), avoid)
 
     def on_control(self, conn, h, payload):
         try:

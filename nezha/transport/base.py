@@ -333,7 +333,7 @@ class Connection:
             self._read_data(h, now)
         elif t == wire.ACK:
             self.handler.on_ack(self, h)
-        elif t in (wire.ABORT, wire.HELLO, wire.CONTROL):
+        elif t in (wire.ABORT, wire.HELLO, wire.AUTH, wire.CONTROL):
             payload = bytearray(h.length)
             if h.length and not recv_exact_into(self.sock, memoryview(payload), "payload", self):
                 raise PeerClosedError("closed before a control payload")
@@ -341,8 +341,8 @@ class Connection:
                 self.handler.on_abort(self, h, payload.decode("utf-8", "replace"))
             elif t == wire.CONTROL:
                 self.handler.on_control(self, h, bytes(payload))
-            else:
-                raise ProtocolError("unexpected HELLO on an established connection")
+            else:   # the handshake is over before a Connection reads anything
+                raise ProtocolError(f"unexpected {wire.TYPE_NAMES[t]} on an established connection")
         elif t == wire.BYE:
             self.bye_seen = True
             self.handler.on_bye(self)

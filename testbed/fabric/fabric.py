@@ -22,12 +22,11 @@ from testbed.kernel import netns
 from testbed.kernel.capabilities import Capabilities, probe
 from testbed.errors import FabricError
 from testbed.fabric.shaper import DirectionShaper
-from testbed.model.spec import Shape, Topology, check_capabilities
+from testbed.model.spec import BRIDGE, Shape, Topology, check_capabilities
 from testbed.fabric.guard import checkpoint, interrupts_at_checkpoints
-from testbed.fabric.state import RunState
+from testbed.fabric.state import RunState, lock as state_lock
 
 log = logging.getLogger(__name__)
-BRIDGE = "br0"   # the rail switch's bridge, inside the switch namespace
 RTAX_RTO_MIN = 13  # route metric index; TCP honours it only when the metric is locked
 
 
@@ -186,8 +185,9 @@ class Fabric:
     def build(self) -> "Fabric":
         """Create everything; on any error or interrupt, remove what was built and re-raise."""
         t0 = time.monotonic()
-        self.state = RunState.new(self.topo.name, self.backend, self.topo.to_dict(),
-                                  self.topo.raw)
+        with state_lock():        # the run id is chosen and its file written as one step
+            self.state = RunState.new(self.topo.name, self.backend, self.topo.to_dict(),
+                                      self.topo.raw)
         try:
             with interrupts_at_checkpoints():
                 self._build()
@@ -250,9 +250,13 @@ class Fabric:
         return ipr
 
     def _build(self) -> None:
-        """Create the kernel objects, then bind handles to them and shape through the handles."""
-        self._create()
-        self.state.save()
+        """Create the kernel objects, then bind handles to them and shape through the handles.
+        Recording and creating happen under the state lock, so `clean` (which decides under it
+        too) never sees a namespace before its record; shaping and the run itself do not hold
+        it."""
+        with state_lock():
+            self._create()
+            self.state.save()
         self._configure()
 
     def _create(self) -> None:

@@ -5,12 +5,16 @@ before the first namespace exists, not a crash a minute into a run.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Optional
 
 from nezha.kinds import ALL_SYSTEMS as SYSTEMS, DTYPES, OPS
-from testbed.errors import SpecError
-from testbed.model.units import format_size, parse_duration, parse_percent, parse_rate, parse_size
+from testbed.errors import SpecError, quote
+from testbed.model.units import (MAX_CAPTURE_MB, MAX_COUNT, MAX_DELAY_S, MAX_FLAP_STEPS,
+                                 MAX_PHASES, MAX_ROUNDS, MIN_FLAP_PERIOD_S, format_duration,
+                                 format_size, parse_duration, parse_percent, parse_rate,
+                                 parse_size)
 
 WORKLOAD_KINDS = ("allreduce", "sweep", "compare", "command", "none")
 ENDS = ("host", "switch", "both")
@@ -122,13 +126,14 @@ def _keys(raw: dict, allowed: tuple[str, ...], field_: str) -> None:
 
 def _choice(value: Any, options: tuple[str, ...], field_: str) -> str:
     if value not in options:
-        raise SpecError(field_, f"{value!r} is not accepted", f"one of: {', '.join(options)}")
+        raise SpecError(field_, f"{quote(value)} is not accepted", f"one of: {', '.join(options)}")
     return value
 
 
-def _int(value: Any, field_: str, minimum: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise SpecError(field_, f"{value!r} is not accepted", f"an integer >= {minimum}")
+def _int(value: Any, field_: str, minimum: int = 1, maximum: int = MAX_COUNT) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= maximum:
+        raise SpecError(field_, f"{quote(value)} is not accepted",
+                        f"an integer >= {minimum} and <= {maximum}")
     return value
 
 
@@ -141,7 +146,7 @@ def _target_kind(topo, target: Any, field_: str) -> str:
         host, _, rail = target.partition(".")
         if host in topo.hosts and any(r.name == rail for r in topo.rails):
             return "link"
-    raise SpecError(field_, f"{target!r} names nothing in this topology",
+    raise SpecError(field_, f"{quote(target)} names nothing in this topology",
                     "a link HOST.RAIL (e.g. h2.r1), a rail (e.g. r1) or a host (e.g. h2)")
 
 
@@ -169,7 +174,7 @@ def _workload_amounts(raw: dict, kind: str, f: str) -> dict[str, Any]:
         if kind != "compare":
             raise SpecError(f"{f}.rounds", f"only used with kind: compare (kind is {kind})",
                             "kind: compare, or no rounds key")
-        kw["rounds"] = _int(raw["rounds"], f"{f}.rounds")
+        kw["rounds"] = _int(raw["rounds"], f"{f}.rounds", maximum=MAX_ROUNDS)
     return kw
 
 
@@ -188,14 +193,25 @@ def _workload_setup(raw: dict, topo, f: str) -> dict[str, Any]:
     if "op" in raw:
         kw["op"] = _choice(raw["op"], OPS, f"{f}.op")
     if "hosts" in raw:
-        hosts = raw["hosts"]
-        if not isinstance(hosts, list) or not hosts or any(h not in topo.hosts for h in hosts):
-            raise SpecError(f"{f}.hosts", f"{hosts!r} is not a list of this file's hosts",
-                            f"a list from: {', '.join(topo.hosts)}")
+        hosts, known = raw["hosts"], set(topo.hosts)
+        if not isinstance(hosts, list) or not hosts \
+                or any(not isinstance(h, str) or h not in known for h in hosts):
+            raise SpecError(f"{f}.hosts", f"{quote(hosts)} is not a list of this file's hosts",
+                            f"a list from: {_listing(topo.hosts)}")
+        first: dict[str, int] = {}
+        for i, h in enumerate(hosts):    # one rank per host: rank = position in this list
+            if h in first:
+                raise SpecError(f"{f}.hosts[{i}]", f"{quote(h)} is listed twice (also "
+                                f"{f}.hosts[{first[h]}])", "each host at most once")
+            first[h] = i
         kw["hosts"] = tuple(hosts)
     if "timeout" in raw:
         kw["timeout"] = parse_duration(raw["timeout"], f"{f}.timeout", allow_zero=False)
     return kw
+
+
+def _listing(names: tuple[str, ...], shown: int = 8) -> str:
+    return ", ".join(names[:shown]) + (", ..." if len(names) > shown else "")
 
 
 def _workload_command(raw: dict, kind: str, f: str) -> Optional[tuple[str, ...]]:
@@ -210,7 +226,7 @@ def _workload_command(raw: dict, kind: str, f: str) -> Optional[tuple[str, ...]]
         return ("sh", "-c", cmd)
     if isinstance(cmd, list) and cmd and all(isinstance(c, str) for c in cmd):
         return tuple(cmd)
-    raise SpecError(f"{f}.command", f"{cmd!r} given",
+    raise SpecError(f"{f}.command", f"{quote(cmd)} given",
                     "a shell command string or a list of arguments")
 
 
@@ -231,6 +247,11 @@ def parse_workload(raw: Any, topo) -> Optional[Workload]:
         kw["systems"] = ("nezha", "single", "stripe", "mptcp")
     if kind in ("allreduce", "command") and "duration" not in kw and "iterations" not in kw:
         kw["duration"] = 10.0 if kind == "allreduce" else None
+    if kind in ("sweep", "compare"):
+        n = len(kw.get("sizes") or (1,)) * len(kw.get("systems") or (1,)) * kw.get("rounds", 1)
+        if n > MAX_PHASES:
+            raise SpecError(f"{f}.sizes", f"{n} phases (sizes x systems x rounds)",
+                            f"at most {MAX_PHASES} phases in one run")
     return Workload(**kw)
 
 
@@ -241,6 +262,7 @@ def parse_faults(raw: Any, topo) -> tuple[Fault, ...]:
         raise SpecError("faults", f"{type(raw).__name__} given",
                         "a list such as [{at: 3s, action: link-down, target: h2.r1}]")
     faults = []
+    flap_steps = 0
     for i, item in enumerate(raw):
         f = f"faults[{i}]"
         item = _mapping(item, f, "a mapping such as {at: 3s, action: link-down, target: h2.r1}")
@@ -264,20 +286,48 @@ def parse_faults(raw: Any, topo) -> tuple[Fault, ...]:
             if "value" not in item:
                 raise SpecError(f"{f}.value", "missing", f"the new {action} (e.g. "
                                 + {"rate": "20mbit", "loss": "20%", "delay": "5ms"}[action] + ")")
-            parser = {"rate": parse_rate, "loss": parse_percent, "delay": parse_duration}[action]
-            kw["value"] = parser(item["value"], f"{f}.value")
+            if action == "delay":
+                kw["value"] = parse_duration(item["value"], f"{f}.value", maximum=MAX_DELAY_S)
+            else:
+                parser = {"rate": parse_rate, "loss": parse_percent}[action]
+                kw["value"] = parser(item["value"], f"{f}.value")
         if action == "delay" and "jitter" in item:
-            kw["jitter"] = parse_duration(item["jitter"], f"{f}.jitter")
+            kw["jitter"] = parse_duration(item["jitter"], f"{f}.jitter", maximum=MAX_DELAY_S)
         if action == "flap":
             if "period" not in item or "for" not in item:
                 raise SpecError(f"{f}.period" if "period" not in item else f"{f}.for", "missing",
                                 "flap needs period (down+up cycle, e.g. 500ms) and for")
-            kw["period"] = parse_duration(item["period"], f"{f}.period", allow_zero=False)
+            kw["period"] = _flap_period(item["period"], f"{f}.period")
+            flap_steps += _flap_steps(kw["period"], kw["duration"], f"{f}.for", flap_steps)
         if action == "kill":
             sig = item.get("signal", "KILL")
             kw["signal"] = _choice(sig, ("KILL", "TERM", "INT", "STOP"), f"{f}.signal")
         faults.append(Fault(**kw))
     return tuple(sorted(faults, key=lambda x: (x.at, x.index)))
+
+
+def _flap_period(value: Any, field_: str) -> float:
+    period = parse_duration(value, field_, allow_zero=False)
+    if period < MIN_FLAP_PERIOD_S:
+        least = format_duration(MIN_FLAP_PERIOD_S)
+        raise SpecError(field_, f"{quote(value)} is shorter than {least}",
+                        f"a period of at least {least} (a link state change takes 1-4 ms to be "
+                        "acknowledged)")
+    return period
+
+
+def flap_steps(period: float, duration: float) -> int:
+    """How many down/up toggles a flap makes (FaultInjector._plan expands it to these)."""
+    return max(0, math.ceil(duration / (period / 2) - 1e-9) - 1)
+
+
+def _flap_steps(period: float, duration: float, field_: str, before: int) -> int:
+    n = flap_steps(period, duration)
+    if before + n > MAX_FLAP_STEPS:
+        raise SpecError(field_, f"the flaps of this schedule toggle links {before + n} times",
+                        f"at most {MAX_FLAP_STEPS} toggles over all flaps: a shorter for, or a "
+                        "longer period")
+    return n
 
 
 def sized_metric(nbytes: int) -> str:
@@ -312,6 +362,9 @@ def parse_expect(raw: Any, topo, workload: Optional[Workload] = None) -> tuple[E
                             + ", " + ", ".join(SHARE_PREFIX + r for r in rails)
                             + ", " + SIZED_PREFIX + "SIZE (compare)")
         if isinstance(bound, (int, float)) and not isinstance(bound, bool):
+            if not math.isfinite(float(bound)):
+                raise SpecError(f, f"{quote(bound)} is not a finite number",
+                                "a finite number (must equal), or {min: X} / {max: Y} / both")
             out.append(Expectation(metric, float(bound), float(bound)))
             continue
         bound = _mapping(bound, f, "a number (must equal) or {min: X} / {max: Y} / both")
@@ -320,8 +373,9 @@ def parse_expect(raw: Any, topo, workload: Optional[Workload] = None) -> tuple[E
             raise SpecError(f, "empty bound", "{min: X}, {max: Y} or both")
         vals = {}
         for k, v in bound.items():
-            if isinstance(v, bool) or not isinstance(v, (int, float)):
-                raise SpecError(f"{f}.{k}", f"{v!r} is not a number", "a number")
+            if isinstance(v, bool) or not isinstance(v, (int, float)) \
+                    or not math.isfinite(float(v)):
+                raise SpecError(f"{f}.{k}", f"{quote(v)} is not a number", "a finite number")
             vals[k] = float(v)
         out.append(Expectation(metric, vals.get("min"), vals.get("max")))
     return tuple(out)
@@ -334,7 +388,7 @@ def parse_capture(raw: Any) -> tuple[bool, int]:
         return True, 64
     raw = _mapping(raw, "capture", "true, or {max_mb: 64}")
     _keys(raw, ("max_mb",), "capture")
-    return True, _int(raw.get("max_mb", 64), "capture.max_mb")
+    return True, _int(raw.get("max_mb", 64), "capture.max_mb", maximum=MAX_CAPTURE_MB)
 
 
 def build(topo) -> Scenario:

@@ -14,9 +14,10 @@ from typing import Any, Mapping, Optional
 
 import yaml
 
-from testbed.errors import CapabilityError, SpecError
-from testbed.model.units import (format_duration, format_rate, parse_duration, parse_percent,
-                                 parse_rate)
+from testbed.errors import CapabilityError, SpecError, quote
+from testbed.model.units import (MAX_DELAY_S, MAX_FILE_BYTES, MAX_HOSTS, MAX_RAILS,
+                                 MAX_YAML_DEPTH, MAX_YAML_NODES, format_duration, format_rate,
+                                 parse_duration, parse_percent, parse_rate)
 
 DEFAULT_ADDRESSING = "198.18.0.0/15"
 DEFAULT_RAIL_PREFIX = 24
@@ -24,6 +25,13 @@ _NAME_RE = re.compile(r"[a-z][a-z0-9]{0,14}")
 _TOPO_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 BACKENDS = ("pyroute2", "mininet")
 WIRINGS = ("switch", "direct")
+BRIDGE = "br0"   # each rail switch's bridge, inside the switch namespace (testbed.fabric)
+# Host names become interface names in the rail switches' namespaces (next to BRIDGE), rail
+# names in the hosts' (next to lo): none may be a name the kernel or the fabric already uses
+# there. "all" and "default" the kernel refuses (they are /proc/sys/net/*/conf entries); the
+# tunnels' fallback devices appear in every new namespace where their module is loaded.
+RESERVED_NAMES = frozenset({"lo", BRIDGE, "all", "default", "sit0", "tunl0", "gre0", "gretap0",
+                            "erspan0", "ip6tnl0", "ip6gre0", "ip6erspan0"})
 
 # Keys of each section; the scenario sections are validated by testbed.model.scenario.
 TOP_KEYS = ("name", "description", "hosts", "rails", "links", "wiring", "addressing",
@@ -146,9 +154,13 @@ def _check_keys(mapping: dict, allowed: tuple, field: str) -> None:
 
 
 def _parse_name(value: Any, field: str, what: str) -> str:
-    if not isinstance(value, str) or not _NAME_RE.fullmatch(value) or value == "lo":
-        raise SpecError(field, f"{value!r} is not a valid {what} name",
+    if not isinstance(value, str) or not _NAME_RE.fullmatch(value):
+        raise SpecError(field, f"{quote(value)} is not a valid {what} name",
                         "1-15 lowercase letters or digits, starting with a letter (e.g. h1, r0)")
+    if value in RESERVED_NAMES:
+        raise SpecError(field, f"{quote(value)} is a name the fabric or the kernel already uses "
+                        "for an interface", f"any other {what} name; not one of: "
+                        + ", ".join(sorted(RESERVED_NAMES)))
     return value
 
 
@@ -159,9 +171,11 @@ def _parse_shape(raw: dict, field: str, base: Shape) -> Shape:
     if "loss" in raw:
         shape = replace(shape, loss=parse_percent(raw["loss"], f"{field}.loss"))
     if "delay" in raw:
-        shape = replace(shape, delay_s=parse_duration(raw["delay"], f"{field}.delay"))
+        shape = replace(shape, delay_s=parse_duration(raw["delay"], f"{field}.delay",
+                                                      maximum=MAX_DELAY_S))
     if "jitter" in raw:
-        shape = replace(shape, jitter_s=parse_duration(raw["jitter"], f"{field}.jitter"))
+        shape = replace(shape, jitter_s=parse_duration(raw["jitter"], f"{field}.jitter",
+                                                       maximum=MAX_DELAY_S))
     if shape.jitter_s > 0 and shape.delay_s == 0:
         raise SpecError(f"{field}.jitter", "jitter without delay",
                         "a delay as well (jitter varies the delay around its mean)")
@@ -170,24 +184,31 @@ def _parse_shape(raw: dict, field: str, base: Shape) -> Shape:
 
 def _parse_mtu(value: Any, field: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not 576 <= value <= 65535:
-        raise SpecError(field, f"{value!r} is not a valid MTU", "an integer from 576 to 65535")
+        raise SpecError(field, f"{quote(value)} is not a valid MTU", "an integer from 576 to 65535")
     return value
 
 
 def _parse_hosts(raw: Any) -> tuple[str, ...]:
     if isinstance(raw, bool):
         raw = None
+    limit = (f"at most {MAX_HOSTS} hosts: each host is a port of every rail switch, and a "
+             f"Linux bridge has 1024 port numbers (0 reserved)")
     if isinstance(raw, int):
         if raw < 1:
             raise SpecError("hosts", f"{raw} hosts", "a count of at least 1, or a list of names")
+        if raw > MAX_HOSTS:        # before a single name is made
+            raise SpecError("hosts", f"{quote(raw)} hosts", limit)
         return tuple(f"h{i + 1}" for i in range(raw))
     if isinstance(raw, list) and raw:
+        if len(raw) > MAX_HOSTS:
+            raise SpecError("hosts", f"a list of {len(raw)} hosts", limit)
         names = [_parse_name(n, f"hosts[{i}]", "host") for i, n in enumerate(raw)]
         for i, n in enumerate(names):
             if names.index(n) != i:
-                raise SpecError(f"hosts[{i}]", f"duplicate host name {n!r}", "unique host names")
+                raise SpecError(f"hosts[{i}]", f"duplicate host name {quote(n)}",
+                                "unique host names")
         return tuple(names)
-    raise SpecError("hosts", f"{raw!r} given", "a host count (e.g. 4) or a list of host names")
+    raise SpecError("hosts", f"{quote(raw)} given", "a host count (e.g. 4) or a list of host names")
 
 
 def _parse_document(doc: Any) -> dict:
@@ -200,14 +221,15 @@ def _parse_document(doc: Any) -> dict:
 
 def _parse_topology_name(name: Any) -> str:
     if not isinstance(name, str) or not _TOPO_NAME_RE.fullmatch(name):
-        raise SpecError("name", f"{name!r} is not a valid topology name",
+        raise SpecError("name", f"{quote(name)} is not a valid topology name",
                         "up to 64 letters, digits, '.', '_' or '-'")
     return name
 
 
 def _parse_wiring(wiring: Any, hosts: tuple[str, ...]) -> str:
     if wiring not in WIRINGS:
-        raise SpecError("wiring", f"{wiring!r} is not a wiring", f"one of: {', '.join(WIRINGS)}")
+        raise SpecError("wiring", f"{quote(wiring)} is not a wiring",
+                        f"one of: {', '.join(WIRINGS)}")
     if wiring == "direct" and len(hosts) != 2:
         raise SpecError("wiring", f"direct wiring with {len(hosts)} hosts",
                         "exactly 2 hosts for direct wiring, or wiring: switch")
@@ -216,7 +238,7 @@ def _parse_wiring(wiring: Any, hosts: tuple[str, ...]) -> str:
 
 def _parse_backend(backend: Any) -> str:
     if backend not in BACKENDS:
-        raise SpecError("backend", f"{backend!r} is not a backend",
+        raise SpecError("backend", f"{quote(backend)} is not a backend",
                         f"one of: {', '.join(BACKENDS)}")
     return backend
 
@@ -227,12 +249,12 @@ def _parse_addressing(doc: dict) -> tuple[ipaddress.IPv4Network, int]:
     try:
         block = ipaddress.IPv4Network(str(addr_raw), strict=True)
     except ValueError:
-        raise SpecError("addressing", f"{addr_raw!r} is not an IPv4 network",
+        raise SpecError("addressing", f"{quote(addr_raw)} is not an IPv4 network",
                         "a CIDR block such as 198.18.0.0/15") from None
     rail_prefix = doc.get("rail_prefix", max(DEFAULT_RAIL_PREFIX, block.prefixlen))
     if isinstance(rail_prefix, bool) or not isinstance(rail_prefix, int) \
             or not block.prefixlen <= rail_prefix <= 30:
-        raise SpecError("rail_prefix", f"{rail_prefix!r} is not usable",
+        raise SpecError("rail_prefix", f"{quote(rail_prefix)} is not usable",
                         f"an integer from {block.prefixlen} to 30 (each rail's subnet length)")
     return block, rail_prefix
 
@@ -255,8 +277,10 @@ def _check_room(n_rails: int, n_hosts: int, block: ipaddress.IPv4Network,
 def _parse_rails(rails_raw: Any, hosts: tuple[str, ...], block: ipaddress.IPv4Network,
                  rail_prefix: int) -> tuple[RailSpec, ...]:
     if not isinstance(rails_raw, list) or not rails_raw:
-        raise SpecError("rails", f"{rails_raw!r} given",
+        raise SpecError("rails", f"{quote(rails_raw)} given",
                         "a non-empty list of rails, e.g. [{name: r0, bandwidth: 200mbit}]")
+    if len(rails_raw) > MAX_RAILS:
+        raise SpecError("rails", f"{len(rails_raw)} rails", f"at most {MAX_RAILS} rails")
     _check_room(len(rails_raw), len(hosts), block, rail_prefix)
     subnets = block.subnets(new_prefix=rail_prefix)
     rails: list[RailSpec] = []
@@ -266,9 +290,9 @@ def _parse_rails(rails_raw: Any, hosts: tuple[str, ...], block: ipaddress.IPv4Ne
         _check_keys(raw, RAIL_KEYS, f)
         rname = _parse_name(raw.get("name", f"r{i}"), f"{f}.name", "rail")
         if any(r.name == rname for r in rails):
-            raise SpecError(f"{f}.name", f"duplicate rail name {rname!r}", "unique rail names")
+            raise SpecError(f"{f}.name", f"duplicate rail name {quote(rname)}", "unique rail names")
         if rname in hosts:
-            raise SpecError(f"{f}.name", f"{rname!r} is also a host name",
+            raise SpecError(f"{f}.name", f"{quote(rname)} is also a host name",
                             "rail names distinct from host names")
         mtu = _parse_mtu(raw.get("mtu", 1500), f"{f}.mtu")
         rails.append(RailSpec(rname, i, next(subnets), _parse_shape(raw, f, Shape()), mtu))
@@ -324,7 +348,8 @@ def _parse_tcp(raw: Any) -> dict[str, Any]:
     if "congestion_control" in tcp:
         cc = tcp["congestion_control"]
         if not isinstance(cc, str) or not re.fullmatch(r"[a-z0-9_]{1,15}", cc):
-            raise SpecError("tcp.congestion_control", f"{cc!r} is not a congestion control name",
+            raise SpecError("tcp.congestion_control",
+                            f"{quote(cc)} is not a congestion control name",
                             "a name such as cubic, reno, bbr or dctcp")
         parsed["congestion_control"] = cc
     return parsed
@@ -361,20 +386,126 @@ def load(path: str | Path) -> Topology:
     """Read and validate a topology file; every problem is a SpecError naming the field."""
     path = Path(path)
     try:
-        text = path.read_text()
+        with open(path, "rb") as f:
+            data = f.read(MAX_FILE_BYTES + 1)
     except OSError as e:
         raise SpecError(str(path), f"cannot read: {e.strerror}", "a readable YAML file") from None
+    if len(data) > MAX_FILE_BYTES:
+        raise SpecError(str(path), f"larger than {MAX_FILE_BYTES >> 10} KiB",
+                        f"a topology file of at most {MAX_FILE_BYTES >> 10} KiB")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise SpecError(str(path), f"not UTF-8 text (byte {e.start})", "a UTF-8 YAML file") \
+            from None
     return loads(text, source=str(path), default_name=path.stem)
 
 
+def _where(mark) -> str:
+    return f"line {mark.line + 1}, column {mark.column + 1}"
+
+
+class _Loader(yaml.SafeLoader):
+    """``yaml.safe_load`` that refuses duplicate keys (YAML's last-wins would silently drop the
+    first), and documents whose aliases expand to more than MAX_YAML_NODES values or that nest
+    deeper than MAX_YAML_DEPTH (an alias bomb is a few hundred bytes: the expansion is counted
+    on the composed node graph, never built)."""
+
+    _depth = 0
+
+    def compose_document(self):
+        node = super().compose_document()
+        _check_expansion(node)
+        return node
+
+    def compose_node(self, parent, index):
+        # refused while composing: a deeper document is never even scanned (PyYAML's scanner
+        # slows down with every open bracket, and its composer recurses per level)
+        self._depth += 1
+        try:
+            if self._depth > MAX_YAML_DEPTH:
+                raise SpecError(_where(self.peek_event().start_mark),
+                                f"nested more than {MAX_YAML_DEPTH} deep",
+                                "a topology file (mappings and lists a few levels deep)")
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            seen: dict[Any, Any] = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge" or \
+                        not isinstance(key_node, yaml.ScalarNode):
+                    continue       # merge keys (<<) may override; complex keys fail later
+                key = self.construct_object(key_node)
+                if key in seen:
+                    raise SpecError(_where(key_node.start_mark),
+                                    f"duplicate key {quote(key)} (first on line "
+                                    f"{seen[key].line + 1})", "each key once per mapping")
+                seen[key] = key_node.start_mark
+        return super().construct_mapping(node, deep=deep)
+
+
+def _check_expansion(root) -> None:
+    """Count the values of the document as if every alias were expanded (memoised per node, so
+    a bomb costs its size in nodes, not its expansion) and measure its depth."""
+    size: dict[int, int] = {}
+    depth: dict[int, int] = {}
+    active: set[int] = set()
+
+    def visit(node, level: int) -> None:
+        if level > MAX_YAML_DEPTH:
+            raise SpecError(_where(node.start_mark), f"nested more than {MAX_YAML_DEPTH} deep",
+                            "a topology file (mappings and lists a few levels deep)")
+        key = id(node)
+        if key in size:
+            if level + depth[key] > MAX_YAML_DEPTH:
+                raise SpecError(_where(node.start_mark), f"nested more than {MAX_YAML_DEPTH} "
+                                "deep (through aliases)", "a topology file (a few levels deep)")
+            return
+        if key in active:
+            raise SpecError(_where(node.start_mark), "an alias refers to the value containing it",
+                            "aliases (*name) to values outside their own anchor (&name)")
+        if isinstance(node, yaml.SequenceNode):
+            children = list(node.value)
+        elif isinstance(node, yaml.MappingNode):
+            children = [n for pair in node.value for n in pair]
+        else:
+            size[key], depth[key] = 1, 0
+            return
+        active.add(key)
+        for child in children:
+            visit(child, level + 1)
+        active.discard(key)
+        size[key] = 1 + sum(size[id(c)] for c in children)
+        depth[key] = 1 + max((depth[id(c)] for c in children), default=0)
+        if size[key] > MAX_YAML_NODES:
+            raise SpecError(_where(node.start_mark), f"more than {MAX_YAML_NODES} values here "
+                            "once aliases (*name) are expanded", "a topology file without alias "
+                            "bombs (an anchor reused a few times is fine)")
+
+    if root is not None:
+        visit(root, 0)
+
+
 def loads(text: str, source: Optional[str] = None, default_name: str = "topology") -> Topology:
+    if len(text) > MAX_FILE_BYTES:
+        raise SpecError(source or "(file)", f"larger than {MAX_FILE_BYTES >> 10} KiB",
+                        f"a topology file of at most {MAX_FILE_BYTES >> 10} KiB")
     try:
-        doc = yaml.safe_load(text)
+        doc = yaml.load(text, Loader=_Loader)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
-        where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "(file)"
-        raise SpecError(where, f"malformed YAML: {getattr(e, 'problem', e)}",
+        where = _where(mark) if mark else "(file)"
+        raise SpecError(where, f"malformed YAML: {str(getattr(e, 'problem', None) or e)[:200]}",
                         "valid YAML (check indentation and colons)") from None
+    except RecursionError:     # not reached (compose_node stops at MAX_YAML_DEPTH): a guard
+        raise SpecError("(file)", "nested too deeply to read",
+                        f"mappings and lists at most {MAX_YAML_DEPTH} levels deep") from None
+    except ValueError as e:    # e.g. an integer of more than 4300 digits
+        raise SpecError("(file)", f"unreadable value: {str(e)[:200]}",
+                        "numbers of sane size (README: Limits)") from None
     return parse(doc, source=source, default_name=default_name)
 
 
@@ -394,7 +525,7 @@ def check_capabilities(topo: Topology, caps) -> None:
     cc = topo.tcp.get("congestion_control")
     if cc and caps.congestion_controls and cc not in caps.congestion_controls:
         raise CapabilityError("tcp.congestion_control",
-                              f"{cc!r} is not available in this kernel",
+                              f"{quote(cc)} is not available in this kernel",
                               f"one of: {', '.join(caps.congestion_controls)} (or load its "
                               f"module first: modprobe tcp_{cc})")
     if not caps.nftables and not caps.netem:

@@ -28,7 +28,7 @@ from nezha import wire
 
 _CRC_AT = wire.HEADER_SIZE - 4          # crc covers bytes 0 .. HEADER_SIZE - 4
 _LENGTH_AT = 40                          # see the layout in nezha/wire.py
-WITH_PAYLOAD = (wire.DATA, wire.HELLO, wire.ABORT, wire.CONTROL)
+WITH_PAYLOAD = (wire.DATA, wire.HELLO, wire.AUTH, wire.ABORT, wire.CONTROL)
 
 
 class Nezha(Packet):

@@ -3,10 +3,13 @@
 A workload is a list of phases (one system at one message size); `allreduce` is one phase,
 `sweep` and `compare` are several, run one after another on the same fabric. `command` runs the
 user's own program on every host with the rails and the rendezvous in environment variables.
+Every rank of a run (a `command` too) gets the run's job secret, NEZHA_JOB_SECRET, drawn afresh
+per run: the store and the rails of a run admit only its own ranks.
 """
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -93,6 +96,7 @@ class WorkloadRunner:
         self.current: list[RankProcess] = []
         self._port = BASE_PORT
         self._mptcp_ready = False
+        self.secret = secrets.token_hex(16)     # NEZHA_JOB_SECRET of every rank of this run
         # every rank's sockets use it (NEZHA_TCP_CONGESTION), whatever the namespace default
         self.congestion = fabric.caps.congestion_control(fabric.topo)
 
@@ -108,6 +112,7 @@ class WorkloadRunner:
             "NEZHA_RAIL_NAMES": ",".join(r.name for r in topo.rails),
             "NEZHA_EVENT_LOG": str(events), "NEZHA_RESULTS": str(results),
             "NEZHA_SYSTEM": phase.system, "TESTBED_HOST": host,
+            "NEZHA_JOB_SECRET": self.secret,
             "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT),
                                                          os.environ.get("PYTHONPATH")])),
             "PYTHONUNBUFFERED": "1",
