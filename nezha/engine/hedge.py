@@ -15,7 +15,8 @@ Three things keep this honest:
   * the late rail's own copy stays outstanding on its connection (core.Engine.end_op hands
     it over as an orphan when the message is done), so the failure detector (health.py)
     still sees a rail that delivers nothing;
-  * each chunk is copied at most once, and only once a finished rail exists to take it.
+  * each chunk is copied at most once, and only onto a finished rail that is idle (nothing
+    else of ours queued on it), so a copy uses capacity that would go unused.
 """
 from __future__ import annotations
 
@@ -64,10 +65,13 @@ class Hedging:
                              late_ms=round(late_ms, 1), op=key[0], step=key[1])
 
     def _hedge_target(self, msg):
-        """The finished rail to ``msg.dst`` with the lowest agreed cost per byte."""
+        """The finished, idle rail to ``msg.dst`` with the lowest agreed cost per byte.
+        Idle: nothing else of ours waits on it, so a copy takes only capacity that would go
+        unused and never delays a share queued behind it."""
         live = self.live_rails(msg.dst)
         b = self.balancer.rs.b
-        done = [r for r in msg.done_at if msg.left.get(r, 0) == 0 and r in live]
+        done = [r for r in msg.done_at if msg.left.get(r, 0) == 0 and r in live
+                and self.conns[(msg.dst, r)].unacked == 0]
         if not done:
             return None
         return min(done, key=lambda r: (b[r] if not math.isnan(b[r]) else math.inf, r))

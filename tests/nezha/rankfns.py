@@ -207,7 +207,8 @@ def die_mid_op(rank, world, port, victim=1, nrails=2, timeout=5.0):
 def kill_rail_mid_op(rank, world, port, rail=1, count=4 << 20, iters=4, system="nezha",
                      events=None, how="kill", settle=0.0):
     """A rail's connections break (or go silent) during a large allreduce: the result must
-    stay exact. Returns (bad iterations, rerouted chunks per rail, event names)."""
+    stay exact. Returns (bad iterations, chunks moved off each rail by failover or hedging,
+    event names)."""
     bad = []
     ev = f"{events}.{rank}" if events else None
     with make_ctx(rank, world, port, 2, system, timeout=10.0, events=ev) as ctx:
@@ -238,7 +239,7 @@ def kill_rail_mid_op(rank, world, port, rail=1, count=4 << 20, iters=4, system="
     if ev:
         import json
         names = [json.loads(l)["event"] for l in open(ev)]
-    return bad, [r["rerouted_chunks"] for r in st["rails"]], names
+    return bad, [r["rerouted_chunks"] + r["hedged_chunks"] for r in st["rails"]], names
 
 
 def gloo_allreduce(rank, world, port):
