@@ -2,7 +2,9 @@
 
 Per rail: Nezha bytes and chunks per operation, TCP retransmissions (a segment whose bytes were
 all seen before), rerouted chunks (the same (sender, op, step, chunk, offset) seen on more than
-one rail) and the split that crossed the wire (each rail's share of DATA payload bytes).
+one rail), hedged chunks (copies of a late share, marked as such in the DATA header's aux, see
+nezha/engine/hedge.py) and the split that crossed the wire (each rail's share of DATA payload
+bytes).
 
 Each packet is captured twice (leaving one host, entering another); a flow is counted once, from
 the capture of the host that owns its source address (``capture.json``, written by
@@ -42,6 +44,7 @@ def find_captures(results: Path) -> tuple[Optional[dict], list[tuple[str, str, P
 def _new_rail() -> dict:
     return {"wire_bytes": 0, "tcp_bytes": 0, "tcp_segments": 0, "frames": 0, "data_bytes": 0,
             "chunks": 0, "retrans_segments": 0, "retrans_bytes": 0, "rerouted_chunks": 0,
+            "hedged_chunks": 0,
             "acks": 0, "flows": 0, "unparsed_flows": []}
 
 
@@ -54,6 +57,7 @@ class _Tally:
         lambda: defaultdict(lambda: {"bytes": 0, "chunks": 0})))
     op_kind: dict = field(default_factory=dict)
     chunk_rails: dict = field(default_factory=lambda: defaultdict(set))
+    hedge_copies: dict = field(default_factory=lambda: defaultdict(set))
     per_host: dict = field(default_factory=lambda: defaultdict(lambda: defaultdict(int)))
     seen_flows: set = field(default_factory=set)
 
@@ -97,10 +101,16 @@ class _Tally:
             op["bytes"] += h.length
             op["chunks"] += 1
             self.op_kind[h.op_id] = wire.KIND_NAMES.get(h.kind, str(h.kind))
-            self.chunk_rails[(h.src, h.op_id, h.step, h.chunk, h.offset)].add(rail)
+            key = (h.src, h.op_id, h.step, h.chunk, h.offset)
+            if h.aux >> wire.COPY_SHIFT:
+                self.hedge_copies[key].add(rail)
+                pr["hedged_chunks"] += 1
+            else:
+                self.chunk_rails[key].add(rail)
 
     def rerouted(self) -> dict:
-        """Chunks seen on more than one rail, each counted on every rail it crossed."""
+        """Chunks sent unmarked on more than one rail (failover moved them), each counted on
+        every rail it crossed. Hedge copies are not reroutes: they are counted apart."""
         rerouted = {k: v for k, v in self.chunk_rails.items() if len(v) > 1}
         for rs in rerouted.values():
             for r in rs:
@@ -139,6 +149,9 @@ def analyse(results, rails: Optional[list[str]] = None) -> dict:
                        for op, v in sorted(tally.per_op.items())},
         "rerouted": [{"src": k[0], "op": k[1], "step": k[2], "chunk": k[3], "offset": k[4],
                       "rails": sorted(v)} for k, v in sorted(rerouted.items())],
+        "hedged": [{"src": k[0], "op": k[1], "step": k[2], "chunk": k[3], "offset": k[4],
+                    "rails": sorted(tally.chunk_rails.get(k, set())), "copies_on": sorted(v)}
+                   for k, v in sorted(tally.hedge_copies.items())],
         "captures": manifest["files"] if manifest else [str(p) for _, _, p in files],
     }
 
@@ -146,11 +159,11 @@ def analyse(results, rails: Optional[list[str]] = None) -> dict:
 def format_report(rep: dict) -> str:
     lines = [f"captures in {rep['results']}: {rep['data_bytes']} bytes of Nezha data"]
     lines.append(f"  {'rail':<6} {'share':>7} {'data bytes':>12} {'chunks':>7} {'wire bytes':>12} "
-                 f"{'retrans':>8} {'rerouted':>8}")
+                 f"{'retrans':>8} {'rerouted':>8} {'hedged':>7}")
     for r, pr in rep["rails"].items():
         lines.append(f"  {r:<6} {pr['share'] * 100:>6.1f}% {pr['data_bytes']:>12} "
                      f"{pr['chunks']:>7} {pr['wire_bytes']:>12} {pr['retrans_segments']:>8} "
-                     f"{pr['rerouted_chunks']:>8}")
+                     f"{pr['rerouted_chunks']:>8} {pr.get('hedged_chunks', 0):>7}")
         if pr.get("other_flows"):
             lines.append(f"         {pr['other_flows']} non-Nezha TCP flow(s) (rendezvous store...)")
         for u in pr["unparsed_flows"]:
