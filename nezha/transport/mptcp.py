@@ -35,6 +35,9 @@ class MptcpTransport(Transport):
                               f"(needs a kernel with CONFIG_MPTCP and net.mptcp.enabled=1)") from e
 
 
+MAX_ENDPOINTS = 8      # the in-kernel path manager's address table (MPTCP_PM_ADDR_MAX)
+
+
 def configure_mptcp_endpoints(rails, flags: str = "signal subflow", subflows: int = 8,
                               add_addr_accepted: int = 8, flush: bool = True,
                               netns: str | None = None, run=subprocess.run) -> list[list[str]]:
@@ -45,7 +48,12 @@ def configure_mptcp_endpoints(rails, flags: str = "signal subflow", subflows: in
     the address is announced to the peer and subflows are opened from it; ``"subflow
     fullmesh"`` etc. for other set-ups). ``netns`` runs the
     commands inside ``ip netns exec``. Returns the commands run.
+
+    The kernel's path manager holds at most MAX_ENDPOINTS addresses and opens at most 8 extra
+    subflows per connection: rails beyond the first 1 + MAX_ENDPOINTS are left out of the
+    MPTCP baseline (adding them fails with "too many addresses").
     """
+    rails = list(rails)[:1 + MAX_ENDPOINTS]
     pre = ["ip", "netns", "exec", netns] if netns else []
     cmds = []
     if flush:
