@@ -152,3 +152,27 @@ def test_arrivals_within_a_window_come_from_the_health_samples(tcp_conn):
     assert conn.arrived_within(0.05) == 0          # nothing since the last sample
     assert conn.arrived_within(0.15) == 2000       # since the sample 0.2 s ago
     assert conn.arrived_within(10.0) == 4000       # history shorter: the oldest sample
+
+
+def test_after_a_hedge_copy_the_late_rail_is_read_through_a_private_buffer():
+    """A late rail's frame may still be arriving when its copy completed the message, and the
+    caller may have its buffer back by then: so once a rail has been hedged, the receiver
+    reads that rail's frames into a private buffer (no in-place write can come late), and
+    never lets two connections write the same bytes in place at once."""
+    eng = engine()
+    c0, c1 = FakeConn(1, 0), FakeConn(1, 1)
+    for c in (c0, c1):
+        c.t_hdr = 0.0
+    eng.conns = {(1, 0): c0, (1, 1): c1}
+    total = 2 << 20
+    slot = eng.post_recv(7, 0, 1, memoryview(bytearray(total)), Desc(wire.K_ALLREDUCE, 0, 0, total))
+    eng.op_seq = 7
+    first = header(0, 1 << 20, total, rail=1)
+    assert eng.data_target(c1, first, 1.0) is not None        # rail 1 reads in place...
+    assert eng.data_target(c0, first, 1.1) is None            # ...so a copy of it may not
+    eng.release_target(c1)
+    with eng.cond:
+        eng._mark(slot, header(1 << 20, 1 << 20, total, rail=0, copy_of=1), 1.0, 0.0, 1.2)
+    assert c1.bounce_op >= 7 + 63 and c0.bounce_op == -1
+    assert eng.data_target(c1, header(0, 1 << 20, total, rail=1), 1.3) is None
+    assert eng.data_target(c0, header(0, 1 << 20, total, rail=0), 1.3) is not None
