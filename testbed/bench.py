@@ -14,8 +14,14 @@ import sys
 import time
 from typing import Callable
 
-from testbed.model import spec
-from testbed.fabric import Fabric
+try:
+    from testbed.model import spec
+    from testbed.fabric import Fabric
+except ImportError as _e:     # python3 -m testbed.bench with a python that lacks our packages
+    if __name__ == "__main__":
+        from testbed._bootstrap import reexec
+        reexec(_e)            # runs the command in the project's environment, or says how
+    raise
 
 RATE_MBIT = 100
 

@@ -4,6 +4,8 @@ lines.
     @pytest.mark.topology("topologies/default.yaml")      # or an inline YAML string / dict
     def test_survives(fabric):
         fabric.target("h2.r1").set_state(False)           # the fault API: links, rails, hosts
+        ping = fabric.hosts["h1"].run(["ping", "-c1", "-W1", "198.18.1.2"])  # as subprocess.run
+        assert ping.returncode != 0                       # (check=True would raise instead)
         ...
 
     def test_verdict(testbed_run):

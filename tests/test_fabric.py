@@ -2,6 +2,7 @@
 faults cut exactly one rail, and nothing outlives the fabric."""
 from __future__ import annotations
 
+import subprocess
 import time
 
 import pytest
@@ -132,3 +133,21 @@ def test_direct_wiring_reaches_peer_without_switch(no_leftovers):
         assert fab.rails["r0"].ns is None
         assert probes.reachable(fab, "h1", "h2", "r0") and probes.reachable(fab, "h2", "h1", "r1")
         assert len(fab.state.namespaces) == 2
+
+
+def test_host_run_returns_the_exit_status_like_subprocess_run(no_leftovers):
+    """``fabric.hosts[h].run(argv)`` follows subprocess.run: a non-zero exit is in .returncode
+    (a user's ``.run([...]).returncode != 0`` check works), and only ``check=True`` raises."""
+    with Fabric(spec.loads("hosts: 2\nrails: [{name: r0}]\n")) as fab:
+        h1 = fab.hosts["h1"]
+        ok = h1.run(["ping", "-c1", "-W2", "-I", "r0", fab.topo.address("h2", "r0")])
+        assert ok.returncode == 0 and "1 received" in ok.stdout
+        fab.links["h2.r0"].set_state(False)
+        lost = h1.run(["ping", "-c1", "-W1", "-I", "r0", fab.topo.address("h2", "r0")])
+        assert lost.returncode != 0 and "0 received" in lost.stdout
+        r = h1.run(["sh", "-c", "echo out; echo err >&2; exit 3"])
+        assert (r.returncode, r.stdout, r.stderr) == (3, "out\n", "err\n")
+        with pytest.raises(subprocess.CalledProcessError) as e:
+            h1.run(["sh", "-c", "exit 4"], check=True)
+        assert e.value.returncode == 4
+        assert h1.run(["true"], check=True).returncode == 0

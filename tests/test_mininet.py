@@ -59,7 +59,7 @@ def test_names_namespaces_like_the_pyroute2_backend(mn):
 
 def test_addresses(mn):
     for h in ("h1", "h2", "h3"):
-        out = mn.hosts[h].run(["ip", "-4", "-o", "addr"]).stdout
+        out = mn.hosts[h].run(["ip", "-4", "-o", "addr"], check=True).stdout
         for rail in ("r0", "r1"):
             assert f"{rail}    inet {mn.topo.address(h, rail)}/" in out or \
                 re.search(rf"{rail}\s+inet {re.escape(mn.topo.address(h, rail))}/", out), out

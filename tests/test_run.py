@@ -129,6 +129,74 @@ expect: {rank_errors: 0}
     assert "ok 0 198.18.0.1,198.18.1.1" in texts[0] and "ok 1 198.18.0.2,198.18.1.2" in texts[1]
 
 
+USER_PROGRAM = r"""
+# A user's own training-style program, as the README's `command` workload runs it: Nezha from
+# the environment the testbed sets, every collective once, every result checked.
+import sys
+
+import numpy as np
+import nezha
+
+ctx = nezha.Context.from_env()
+r, n = ctx.rank, ctx.world_size
+m = 1 << 16
+wrong = []
+
+
+def check(name, got, want):
+    if not np.array_equal(got, want):
+        wrong.append(name)
+
+
+try:
+    x = np.arange(4 * m, dtype=np.float32) + r                       # 1 MiB
+    ctx.allreduce(x)
+    check("allreduce", x, n * np.arange(4 * m, dtype=np.float32) + n * (n - 1) // 2)
+    y = np.full(m, r, dtype=np.int64)
+    ctx.allreduce(y, op="max")
+    check("allreduce max", y, np.full(m, n - 1, dtype=np.int64))
+    b = np.arange(m, dtype=np.float64) * 7 if r == 1 else np.zeros(m, dtype=np.float64)
+    ctx.broadcast(b, root=1)
+    check("broadcast", b, np.arange(m, dtype=np.float64) * 7)
+    gathered = np.empty(n * m, dtype=np.int32)
+    ctx.allgather(np.full(m, 10 + r, dtype=np.int32), gathered)
+    check("allgather", gathered, np.repeat(np.arange(n, dtype=np.int32) + 10, m))
+    part = np.empty(m, dtype=np.float64)
+    ctx.reduce_scatter(np.arange(n * m, dtype=np.float64) * (r + 1), part)
+    check("reduce_scatter", part, np.arange(r * m, (r + 1) * m, dtype=np.float64) * n * (n + 1) // 2)
+    ctx.barrier()
+    rails = len(ctx.rail_addrs)
+finally:
+    ctx.close()
+print(f"rank {r} of {n}: system {ctx.system}, {rails} rails, wrong: {wrong or 'none'}")
+sys.exit(1 if wrong else 0)
+"""
+
+
+def test_a_users_nezha_program_runs_as_a_command_workload(tmp_path, no_leftovers):
+    """The README's path for your own program: `command: "python my_train.py"` on every host,
+    where `nezha.Context.from_env()` joins the ranks over the rails and every collective gives
+    the right answer (a wrong one exits 1, and counts as a rank error)."""
+    program = tmp_path / "my_train.py"
+    program.write_text(USER_PROGRAM)
+    topo = spec.loads(f"""
+name: user-program
+hosts: 3
+rails: [{{name: r0, bandwidth: 200mbit}}, {{name: r1, bandwidth: 200mbit}}]
+workload: {{kind: command, command: "python {program}", timeout: 60s}}
+expect: {{rank_errors: 0}}
+""")
+    out = run_topology(topo, tmp_path / "u", say=lambda m: None)
+    ranks = json.loads((tmp_path / "u" / "ranks.json").read_text())
+    logs = {r["host"]: Path(r["log"]).read_text(errors="replace") for r in ranks}
+    assert [(r["host"], r["exit_code"]) for r in ranks] == \
+        [("h1", 0), ("h2", 0), ("h3", 0)], logs
+    for r in ranks:
+        assert f"rank {r['rank']} of 3: system nezha, 2 rails, wrong: none" in logs[r["host"]]
+    assert out.passed, out.verdict.failures
+    assert out.metrics["rank_errors"] == 0
+
+
 def test_compare_runs_every_system_on_the_same_fabric(tmp_path, no_leftovers):
     topo = spec.loads("""
 name: cmp

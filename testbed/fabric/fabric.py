@@ -81,8 +81,12 @@ class Host:
         self.processes.append(proc)
         return proc
 
-    def run(self, argv: Sequence[str], **kwargs) -> subprocess.CompletedProcess:
-        return netns.run(self.ns, argv, **kwargs)
+    def run(self, argv: Sequence[str], check: bool = False, **kwargs
+            ) -> subprocess.CompletedProcess:
+        """Run ``argv`` in this host and wait, as ``subprocess.run`` does: a non-zero exit is
+        in ``.returncode``, raised (CalledProcessError) only with ``check=True``. Output is
+        captured as text unless told otherwise; ``timeout`` is 60 s unless given."""
+        return netns.run(self.ns, argv, check=check, **kwargs)
 
 
 @dataclass

@@ -97,7 +97,7 @@ def udp_loss(fabric: Fabric, src: str, dst: str, rail: str, count: int = 5000,
     try:
         assert rx.stdout.readline().strip() == "ready"
         fabric.hosts[src].run([sys.executable, "-c", _UDP_TX, src_ip, dst_ip, str(port),
-                               str(count), str(gap)], timeout=count * gap + 30)
+                               str(count), str(gap)], check=True, timeout=count * gap + 30)
         out, _ = rx.communicate(timeout=30)
         return 1.0 - int(out.split()[-1]) / count
     finally:

@@ -105,13 +105,21 @@ class WorkloadRunner:
         topo = self.fabric.topo
         master = topo.address(self.hosts[0], topo.rails[0].name)
         env = dict(os.environ)
+        # NEZHA_SYSTEM is what Context.from_env() builds: a command phase is named "command",
+        # but the user's program gets the file's `system:` (nezha unless given)
+        system = self.workload.system if phase.system == "command" else phase.system
+        if phase.system == "command":
+            # `python my_train.py` is this interpreter (the project's environment, where nezha
+            # and numpy are installed), not whatever python sudo's PATH finds first
+            env["PATH"] = os.pathsep.join(filter(None, [str(Path(sys.executable).parent),
+                                                        os.environ.get("PATH")]))
         env.update({
             "NEZHA_RANK": str(rank), "NEZHA_WORLD_SIZE": str(len(self.hosts)),
             "NEZHA_MASTER_ADDR": master, "NEZHA_MASTER_PORT": str(port),
             "NEZHA_RAILS": ",".join(topo.address(host, r.name) for r in topo.rails),
             "NEZHA_RAIL_NAMES": ",".join(r.name for r in topo.rails),
             "NEZHA_EVENT_LOG": str(events), "NEZHA_RESULTS": str(results),
-            "NEZHA_SYSTEM": phase.system, "TESTBED_HOST": host,
+            "NEZHA_SYSTEM": system, "TESTBED_HOST": host,
             "NEZHA_JOB_SECRET": self.secret,
             "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT),
                                                          os.environ.get("PYTHONPATH")])),
