@@ -42,9 +42,10 @@ Cold/hot state machine for the current set of live rails::
 COLD split: messages < COLD_SMALL bytes ride the single best rail (lowest agreed a), larger
 ones are split in equal shares. HOT split: the cost model above; messages below MIN_SPLIT
 bytes ride the best rail, and a rail is added only if it saves more than PER_RAIL_OVERHEAD
-seconds (CPU cost of driving one more rail). In HOT each agreed table moves the model in use
-half way towards it (a damped iteration: a share's cost depends a little on its size), and
-only when that changes the shares of a 16 MiB message by more than HYSTERESIS.
+seconds (CPU cost of driving one more rail). In HOT each agreed table moves every rail's cost
+in use part of the way towards it (a damped iteration with a step per rail, see
+RailState.observe), and only when that changes the shares of a 16 MiB message by more than
+HYSTERESIS.
 """
 from __future__ import annotations
 
@@ -60,6 +61,8 @@ WINDOW = 8             # cost samples (operations) per rail estimate
 MIN_BUSY_S = 0.02      # busy time an estimate must span (the kernel counts in 1-4 ms ticks)
 MIN_SAMPLES = 2
 HOT_INTERVAL = 16      # most ops between two exchanges in HOT while the split holds
+STEP_MAX = 0.5         # a table moves a rail's cost in use at most half way towards it...
+STEP_MIN = 0.0625      # ...and at least 1/16 of the way (after it turned back four times)
 HYSTERESIS = 0.01
 COLD_SMALL = 64 << 10
 MIN_SPLIT = 32 << 10
@@ -146,9 +149,10 @@ class RailEstimator:
         self.a_samples += 1
 
     def record_b(self, nbytes: int, seconds: float):
-        """One operation's bytes on this rail and the time it was busy moving them (0 is a
-        valid time: the kernel's clock ticks every few ms, and sums are unbiased)."""
-        if nbytes > 0 and seconds >= 0:
+        """One operation's bytes on this rail and the time its shares took (costs.py). No
+        bytes in some time is a valid sample: a share the rail did not deliver at all (hedge
+        copies did) costs time all the same."""
+        if nbytes >= 0 and seconds > 0 and nbytes + seconds > 0:
             self.b_window.append((nbytes, seconds))
 
     @property
@@ -160,7 +164,8 @@ class RailEstimator:
         t = sum(s for _, s in self.b_window)
         if t < MIN_BUSY_S:
             return float("nan")
-        return t / sum(n for n, _ in self.b_window)
+        n = sum(n for n, _ in self.b_window)
+        return t / n if n > 0 else 1.0    # delivered nothing: as costly as a rail can be
 
     def reset(self):
         self.b_window.clear()
@@ -177,6 +182,8 @@ class RailState:
         self.b = [float("nan")] * nrails
         self.used_a = None
         self.used_b = None
+        self.step = [STEP_MAX] * nrails   # per rail: how far a table moves its cost (damping)
+        self.trend = [0] * nrails         # per rail: direction of its last move (+1 / -1)
         self.enough = False       # the last table had an estimate for every live rail
         self.moved = False        # ...and it changed the model in use
         self.reason = "start"
@@ -185,6 +192,8 @@ class RailState:
         changed = self.state != COLD
         self.state = COLD
         self.used_a = self.used_b = None
+        self.step = [STEP_MAX] * self.nrails
+        self.trend = [0] * self.nrails
         self.reason = reason
         return [("state", {"state": COLD, "reason": reason})] if changed else []
 
@@ -199,15 +208,23 @@ class RailState:
         """Feed one agreed table. Returns a list of (event, fields) for the log.
 
         A table without an estimate for some live rail changes nothing (COLD stays COLD,
-        HOT keeps its model). The first complete one switches to HOT; later ones move the
-        model half way towards them (a share's cost depends a little on its size, e.g. a
-        token bucket that refills while a rail idles, so the split is found by a damped
-        iteration), and only if that moves some share of a 16 MiB message by more than
-        HYSTERESIS."""
+        HOT keeps its model). The first complete one switches to HOT; later ones move each
+        rail's cost part of the way towards them, and only if that moves some share of a
+        16 MiB message by more than HYSTERESIS. A share's cost depends on its size (a token
+        bucket that refills while a rail idles passes a small share at once, a large one at
+        the rate), so the split is found by a damped iteration: each rail moves by its own
+        step, halved whenever the rail turns back (down to STEP_MIN: a rail flapping between
+        two shares settles between them) and grown again while it keeps one direction (up
+        to STEP_MAX: a rail that really changed is followed)."""
         self.a = list(a)
         self.moved = False
         live = self.live
-        self.enough = all(counts[r] >= MIN_SAMPLES and b[r] > 0 for r in live)
+        # a rail the split left out has no news (counts 0 everywhere): it keeps its last
+        # agreed cost and does not hold the others back
+        news = [r for r in live if counts[r] > 0]
+        self.enough = bool(news) and all(counts[r] >= MIN_SAMPLES and b[r] > 0 for r in news)
+        if self.state == COLD:
+            self.enough = self.enough and len(news) == len(live)
         # a rail without a fresh estimate (windows restart whenever the model moves) keeps
         # its last agreed one
         self.b = [y if y > 0 else x for x, y in zip(self.b, b)]
@@ -221,11 +238,19 @@ class RailState:
             return [("state", {"state": HOT, "reason": self.reason}),
                     ("weights", self.weights_fields())]
         sa = [(x + y) / 2 for x, y in zip(self.used_a, a)]
-        sb = [(x + y) / 2 if r in live else y for r, (x, y) in enumerate(zip(self.used_b, b))]
+        sb = [x + self.step[r] * (y - x) if r in live else y
+              for r, (x, y) in enumerate(zip(self.used_b, b))]
         old = self.shares(REF_SIZE)
         new = self._model_shares(REF_SIZE, sa, sb)
         if max(abs(x - y) for x, y in zip(old, new)) <= HYSTERESIS:
             return []
+        for r in live:
+            way = (sb[r] > self.used_b[r]) - (sb[r] < self.used_b[r])
+            if way and self.trend[r] and way != self.trend[r]:
+                self.step[r] = max(STEP_MIN, self.step[r] / 2)
+            elif way and way == self.trend[r]:
+                self.step[r] = min(STEP_MAX, self.step[r] * 1.5)
+            self.trend[r] = way or self.trend[r]
         self.used_a, self.used_b = sa, sb
         self.moved = True
         return [("weights", self.weights_fields())]

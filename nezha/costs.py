@@ -11,7 +11,10 @@ the end of the rail's previous share (a rail sends in order), so its cost is
 
 This charges what delays a share's finish: start-up, a lost first packet, retransmission
 stalls, a token bucket that ran dry, a slow hop; and it does not charge a rail for idling
-between pipeline blocks, so an under-used fast rail is not mistaken for a slow one. Samples
+between pipeline blocks, so an under-used fast rail is not mistaken for a slow one. When a
+late share was completed by hedge copies on other rails (engine/hedge.py), the late rail is
+charged the time until the copies arrived but only the bytes it delivered itself: what a
+rescue carried must not make an overloaded rail look fine. Samples
 are summed per operation (one per rail, however small the shares: with 8 or 16 rails or many
 hosts a share is a few dozen KiB) and windowed by the balancer (balance.RailEstimator).
 Each rank measures the hop into it, so the agreement can take the slowest hop of the ring.
@@ -36,7 +39,7 @@ class ShareCosts:
         t0 = min(slot.t_first.values())
         for r, nb in slot.rbytes.items():
             dur = slot.t_last[r] - max(t0, slot.t_prev[r])
-            if dur > 0:
+            if dur > 0 and (nb > 0 or dur > 0.001):
                 a = self._acc.setdefault(r, [0, 0.0])
                 a[0] += nb
                 a[1] += dur

@@ -60,7 +60,8 @@ class SendChunk:
 
 class SendMsg:
     __slots__ = ("key", "dst", "view", "total", "kind", "dtype", "redop", "op_total", "aux",
-                 "chunks", "unacked", "t0", "share", "complete", "t_queued", "left", "done_at")
+                 "chunks", "unacked", "t0", "share", "complete", "t_queued", "left", "done_at",
+                 "idle")
 
     def __init__(self, key, dst, view, d: Desc):
         self.key, self.dst, self.view = key, dst, view
@@ -75,3 +76,4 @@ class SendMsg:
         self.t_queued = 0.0
         self.left: dict[int, int] = {}        # share rail -> chunks not yet acknowledged
         self.done_at: dict[int, float] = {}   # share rail -> when its last chunk was
+        self.idle: set[int] = set()           # rails with nothing unacknowledged when queued

@@ -102,20 +102,21 @@ class Receiving:
             c.chunks_recv += 1
         copy_of = h.aux >> wire.COPY_SHIFT
         if copy_of:
-            # a hedge copy: the time goes to the late rail whose share it is, counted from
-            # the message's start; its own frames go through a private buffer for a while,
-            # so a stalled frame of it never writes into a buffer the caller got back
-            r, t_prev = copy_of - 1, 0.0
+            # a hedge copy: the late rail whose share it is gets the time (from the message's
+            # start until the copy arrived) but not the bytes: it did not carry them. Its own
+            # frames then go through a private buffer for a while, so a stalled frame of it
+            # never writes into a buffer the caller got back
+            r, t_prev, nb = copy_of - 1, 0.0, 0
             late = self.conns.get((h.src, r))
             if late is not None:
                 late.bounce_op = self.op_seq + BOUNCE_OPS
         else:
-            r = h.rail
+            r, nb = h.rail, h.length
         if r not in slot.t_first:
             slot.t_first[r], slot.t_prev[r] = t_hdr, t_prev
         if t_end > slot.t_last.get(r, 0.0):
             slot.t_last[r] = t_end
-        slot.rbytes[r] = slot.rbytes.get(r, 0) + h.length
+        slot.rbytes[r] = slot.rbytes.get(r, 0) + nb
         if slot.got == slot.total and slot.frames >= 1:
             slot.complete = True
             if slot.kind != wire.K_CONTROL:

@@ -55,6 +55,8 @@ class Sending:
                 raise AllRailsDownError(f"no live rail to rank {dst}")
             self._cut(msg, self.balancer.split(len(view), elem, live))
             self.sends[key] = msg
+            # a start-up sample is only honest from a rail with nothing of ours before it
+            msg.idle = {r for r in msg.share if self.conns[(dst, r)].unacked == 0}
             for ch in msg.chunks:
                 self._queue(self.conns[(dst, ch.rail)], ch)
         return msg
@@ -132,9 +134,10 @@ class Sending:
                 self.cond.notify_all()
 
     def _sample_a(self, msg: SendMsg, rail: int, tries: int, now: float) -> None:
-        """A small share fully acknowledged at its first try: one start-up sample a_r."""
+        """A small share fully acknowledged at its first try, on a rail that was idle when it
+        was queued (else it waited for earlier data): one start-up sample a_r."""
         share = msg.share.get(rail, 0)
-        if share <= A_SAMPLE_MAX and tries == 1 and rail in msg.t0:
+        if share <= A_SAMPLE_MAX and tries == 1 and rail in msg.t0 and rail in msg.idle:
             if all(c.acked for c in msg.chunks if c.rail == rail):
                 t = now - msg.t0[rail]
                 b = self.balancer.est[rail].b if rail < len(self.balancer.est) else float("nan")

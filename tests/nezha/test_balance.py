@@ -173,8 +173,8 @@ def test_estimator_is_total_time_over_total_bytes_once_it_spans_enough():
     assert math.isnan(e.b)
     e.record_b(1 << 20, 0.030)
     assert math.isnan(e.b)                          # one sample is not an estimate
-    e.record_b(1 << 20, 0.0)                        # a share inside one kernel tick counts
-    assert e.b == pytest.approx(0.030 / (2 << 20))
+    e.record_b(0, 0.010)                            # delivered nothing: time all the same
+    assert e.b == pytest.approx(0.040 / (1 << 20))
     e2 = balance.RailEstimator()
     e2.record_b(64 << 10, 0.004)
     e2.record_b(64 << 10, 0.004)
@@ -184,8 +184,12 @@ def test_estimator_is_total_time_over_total_bytes_once_it_spans_enough():
     # a stall is part of the cost (diluted over the window, never dropped as an outlier)
     assert len(e2.b_window) == balance.WINDOW
     assert e2.b == pytest.approx(0.32 / (8 << 20))
-    e.record_b(0, 1.0)                              # nothing moved: no sample
+    e.record_b(0, 0.0)                              # nothing at all: no sample
     assert len(e.b_window) == 2
+    e3 = balance.RailEstimator()
+    e3.record_b(0, 0.02)
+    e3.record_b(0, 0.02)
+    assert e3.b == 1.0                              # never delivered: as costly as can be
     assert e.a == balance.A_NOMINAL
     for t in (3e-4, 2e-4, 9e-3):                   # inflated samples do not move it
         e.record_a(t)
