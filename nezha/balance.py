@@ -61,8 +61,11 @@ WINDOW = 8             # cost samples (operations) per rail estimate
 MIN_BUSY_S = 0.02      # busy time an estimate must span (the kernel counts in 1-4 ms ticks)
 MIN_SAMPLES = 2
 HOT_INTERVAL = 16      # most ops between two exchanges in HOT while the split holds
-STEP_MAX = 0.5         # a table moves a rail's cost in use at most half way towards it...
-STEP_MIN = 0.0625      # ...and at least 1/16 of the way (after it turned back four times)
+STEP_START = 0.5       # a table moves a rail's cost in use half way towards it at first,
+STEP_MAX = 1.0         # ...all the way while the rail keeps moving in one direction,
+STEP_MIN = 0.0625      # ...and 1/16 of the way once it turned back four times
+PROBE_AFTER = 3        # tables without news of a rail before it is given a probing share...
+PROBE_RATIO = 20.0     # ...as if it cost this many times the best rail per byte
 HYSTERESIS = 0.01
 COLD_SMALL = 64 << 10
 MIN_SPLIT = 32 << 10
@@ -182,8 +185,9 @@ class RailState:
         self.b = [float("nan")] * nrails
         self.used_a = None
         self.used_b = None
-        self.step = [STEP_MAX] * nrails   # per rail: how far a table moves its cost (damping)
+        self.step = [STEP_START] * nrails  # per rail: how far a table moves its cost (damping)
         self.trend = [0] * nrails         # per rail: direction of its last move (+1 / -1)
+        self.silent = [0] * nrails        # per rail: tables in a row without news of it
         self.enough = False       # the last table had an estimate for every live rail
         self.moved = False        # ...and it changed the model in use
         self.reason = "start"
@@ -192,7 +196,7 @@ class RailState:
         changed = self.state != COLD
         self.state = COLD
         self.used_a = self.used_b = None
-        self.step = [STEP_MAX] * self.nrails
+        self.step = [STEP_START] * self.nrails
         self.trend = [0] * self.nrails
         self.reason = reason
         return [("state", {"state": COLD, "reason": reason})] if changed else []
@@ -213,9 +217,9 @@ class RailState:
         16 MiB message by more than HYSTERESIS. A share's cost depends on its size (a token
         bucket that refills while a rail idles passes a small share at once, a large one at
         the rate), so the split is found by a damped iteration: each rail moves by its own
-        step, halved whenever the rail turns back (down to STEP_MIN: a rail flapping between
-        two shares settles between them) and grown again while it keeps one direction (up
-        to STEP_MAX: a rail that really changed is followed)."""
+        step (STEP_START at first), halved whenever the rail turns back (down to STEP_MIN: a
+        rail flapping between two shares settles between them) and grown x1.5 while it keeps
+        one direction (up to STEP_MAX: a rail that really changed is followed at once)."""
         self.a = list(a)
         self.moved = False
         live = self.live
@@ -240,6 +244,14 @@ class RailState:
         sa = [(x + y) / 2 for x, y in zip(self.used_a, a)]
         sb = [x + self.step[r] * (y - x) if r in live else y
               for r, (x, y) in enumerate(zip(self.used_b, b))]
+        # a rail the split left out is never measured again: after PROBE_AFTER tables without
+        # news, assume it is no worse than PROBE_RATIO x the best rail, so it gets a small
+        # share and a fresh measurement (the next table puts it back if it really is bad)
+        best = min(sb[r] for r in live)
+        for r in live:
+            if self.silent[r] >= PROBE_AFTER and sb[r] > PROBE_RATIO * best:
+                sb[r] = PROBE_RATIO * best
+                self.silent[r] = 0
         old = self.shares(REF_SIZE)
         new = self._model_shares(REF_SIZE, sa, sb)
         if max(abs(x - y) for x, y in zip(old, new)) <= HYSTERESIS:

@@ -74,7 +74,9 @@ class Engine(Receiving, Sending, Agreement, Failover, Hedging):
                 if time.monotonic() > deadline:
                     break
                 self.cond.wait(0.01)
-            for k in [k for k in self.slots if k[0] <= op_id]:
+            ended = [k for k in self.slots if k[0] <= op_id]
+            self.costs.op_ended([self.slots[k] for k in ended], time.monotonic())
+            for k in ended:
                 del self.slots[k]
             for k in [k for k in self.sends if k[0] <= op_id]:
                 msg = self.sends.pop(k)

@@ -24,7 +24,7 @@ class Desc:
 class RecvSlot:
     __slots__ = ("key", "view", "total", "kind", "dtype", "redop", "op_total", "aux", "done",
                  "got", "frames", "writers", "complete", "t_first", "t_prev", "t_last", "rbytes",
-                 "busy")
+                 "busy", "copied", "pending")
 
     def __init__(self, key, view, d: Desc):
         self.key = key
@@ -43,6 +43,8 @@ class RecvSlot:
         self.t_last: dict[int, float] = {}
         self.rbytes: dict[int, int] = {}
         self.busy: set[int] = set()    # offsets being read in place right now
+        self.copied: dict[int, int] = {}   # late rail -> bytes of its share hedge copies carried
+        self.pending: dict[int, list] = {}   # late rail -> [start, own bytes, own bytes since]
 
 
 class SendChunk:

@@ -102,11 +102,13 @@ class Receiving:
             c.chunks_recv += 1
         copy_of = h.aux >> wire.COPY_SHIFT
         if copy_of:
-            # a hedge copy: the late rail whose share it is gets the time (from the message's
-            # start until the copy arrived) but not the bytes: it did not carry them. Its own
-            # frames then go through a private buffer for a while, so a stalled frame of it
-            # never writes into a buffer the caller got back
+            # a hedge copy: the late rail whose share it is will be charged when its own copy
+            # arrives (late_frame) or the operation ends, not now: what a rescue carried must
+            # not make an overloaded rail look fine. Its own frames go through a private
+            # buffer for a while, so a stalled frame of it never writes into a buffer the
+            # caller got back
             r, t_prev, nb = copy_of - 1, 0.0, 0
+            slot.copied[r] = slot.copied.get(r, 0) + h.length
             late = self.conns.get((h.src, r))
             if late is not None:
                 late.bounce_op = self.op_seq + BOUNCE_OPS
@@ -188,6 +190,8 @@ class Receiving:
                 if h.offset not in slot.done:
                     slot.view[h.offset:h.offset + h.length] = buf
                     self._mark(slot, h, conn.t_hdr, t_prev, now)
+                elif not h.aux >> wire.COPY_SHIFT:
+                    self.costs.late_frame(slot, h.rail, h.length, now)
                 ack = False
             elif h.op_id <= self.done_op:    # late duplicate of a finished op
                 ack = True
