@@ -12,11 +12,11 @@ the end of the rail's previous share (a rail sends in order), so its cost is
 This charges what delays a share's finish: start-up, a lost first packet, retransmission
 stalls, a token bucket that ran dry, a slow hop; and it does not charge a rail for idling
 between pipeline blocks, so an under-used fast rail is not mistaken for a slow one. When a
-late share was completed by hedge copies on other rails (engine/hedge.py), the message is
-done but the late rail is not: it is charged when its own copy of those bytes arrives (a
-repeat the receiver otherwise ignores), or, if the operation ends first, with the bytes it
-delivered by then over the time until then. What a rescue carried must not make an
-overloaded rail look fine, nor a rail whose frame was cut short look worthless. Samples
+late share was completed by hedge copies on other rails (engine/hedge.py), the late rail is
+charged with what it delivered itself (its frames of the share, and its own repeats of the
+rescued bytes that arrive while the operation lasts) over the time to its last such frame:
+the bytes a rescue carried must not make an overloaded rail look fine, and chunks it never
+got to send (the copy won) are not its cost either. Samples
 are summed per operation (one per rail, however small the shares: with 8 or 16 rails or many
 hosts a share is a few dozen KiB) and windowed by the balancer (balance.RailEstimator).
 Each rank measures the hop into it, so the agreement can take the slowest hop of the ring.
@@ -41,29 +41,24 @@ class ShareCosts:
         t0 = min(slot.t_first.values())
         for r, nb in slot.rbytes.items():
             start = max(t0, slot.t_prev[r])
-            if r in slot.copied:
-                slot.pending[r] = [start, nb, 0]
-                continue
-            self._add(r, nb, slot.t_last[r] - start)
+            if r in slot.copied:      # [start, own bytes, last own byte]
+                slot.pending[r] = [start, nb, slot.t_last.get(r, start)]
+            else:
+                self._add(r, nb, slot.t_last[r] - start)
 
     def late_frame(self, slot, rail: int, nbytes: int, t_end: float) -> None:
         """The late rail's own copy of a frame that hedge copies already delivered."""
         p = slot.pending.get(rail)
-        if p is None:
-            return
-        p[2] += nbytes
-        if p[2] >= slot.copied[rail]:
-            del slot.pending[rail]
-            self._add(rail, p[1] + p[2], t_end - p[0])
+        if p is not None:
+            p[1] += nbytes
+            p[2] = max(p[2], t_end)
 
-    def op_ended(self, slots, now: float) -> None:
-        """Late rails still owing frames when the operation ended: what they delivered over
-        the time until now (a lower bound of their cost), once that is most of the rescued
-        bytes; less says little (a frame cut short counts nothing) and gives no sample."""
+    def op_ended(self, slots) -> None:
+        """The operation is over: every hedged rail's own deliveries become its sample."""
         for slot in slots:
-            for rail, (start, own, since) in slot.pending.items():
-                if since * 2 >= slot.copied[rail]:
-                    self._add(rail, own + since, now - start)
+            for rail, (start, nb, last) in slot.pending.items():
+                if nb > 0:
+                    self._add(rail, nb, last - start)
             slot.pending.clear()
 
     def _add(self, rail: int, nbytes: int, seconds: float) -> None:

@@ -75,7 +75,7 @@ class Engine(Receiving, Sending, Agreement, Failover, Hedging):
                     break
                 self.cond.wait(0.01)
             ended = [k for k in self.slots if k[0] <= op_id]
-            self.costs.op_ended([self.slots[k] for k in ended], time.monotonic())
+            self.costs.op_ended([self.slots[k] for k in ended])
             for k in ended:
                 del self.slots[k]
             for k in [k for k in self.sends if k[0] <= op_id]:

@@ -44,7 +44,7 @@ class RecvSlot:
         self.rbytes: dict[int, int] = {}
         self.busy: set[int] = set()    # offsets being read in place right now
         self.copied: dict[int, int] = {}   # late rail -> bytes of its share hedge copies carried
-        self.pending: dict[int, list] = {}   # late rail -> [start, own bytes, own bytes since]
+        self.pending: dict[int, list] = {}   # late rail -> [start, own bytes, last own byte]
 
 
 class SendChunk:

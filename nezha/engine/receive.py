@@ -102,23 +102,25 @@ class Receiving:
             c.chunks_recv += 1
         copy_of = h.aux >> wire.COPY_SHIFT
         if copy_of:
-            # a hedge copy: the late rail whose share it is will be charged when its own copy
-            # arrives (late_frame) or the operation ends, not now: what a rescue carried must
-            # not make an overloaded rail look fine. Its own frames go through a private
-            # buffer for a while, so a stalled frame of it never writes into a buffer the
-            # caller got back
-            r, t_prev, nb = copy_of - 1, 0.0, 0
+            # a hedge copy: it is not the late rail's delivery (costs.py charges that rail
+            # with its own frames only), and that rail's frames go through a private buffer
+            # for a while, so a stalled frame of it never writes into a buffer the caller got
+            # back
+            r = copy_of - 1
             slot.copied[r] = slot.copied.get(r, 0) + h.length
+            if r not in slot.t_first:
+                slot.t_first[r], slot.t_prev[r] = t_hdr, 0.0
+            slot.rbytes.setdefault(r, 0)
             late = self.conns.get((h.src, r))
             if late is not None:
                 late.bounce_op = self.op_seq + BOUNCE_OPS
         else:
-            r, nb = h.rail, h.length
-        if r not in slot.t_first:
-            slot.t_first[r], slot.t_prev[r] = t_hdr, t_prev
-        if t_end > slot.t_last.get(r, 0.0):
-            slot.t_last[r] = t_end
-        slot.rbytes[r] = slot.rbytes.get(r, 0) + nb
+            r = h.rail
+            if r not in slot.t_first:
+                slot.t_first[r], slot.t_prev[r] = t_hdr, t_prev
+            if t_end > slot.t_last.get(r, 0.0):
+                slot.t_last[r] = t_end
+            slot.rbytes[r] = slot.rbytes.get(r, 0) + h.length
         if slot.got == slot.total and slot.frames >= 1:
             slot.complete = True
             if slot.kind != wire.K_CONTROL:

@@ -105,5 +105,6 @@ def test_gloo_baseline_when_torch_is_installed():
 def test_all_ranks_agree_on_state_and_splits():
     res = ok_results(run_ranks(rankfns.agreed_split, 3, timeout=60))
     states = list(res.values())
-    assert all(s == states[0] for s in states), states
+    same = [repr(s) for s in states]     # repr: nan (a rail not measured yet) equals nan
+    assert all(s == same[0] for s in same), states
     assert states[0][-1]

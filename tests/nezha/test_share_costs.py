@@ -46,39 +46,35 @@ def test_each_rail_is_charged_from_when_its_share_could_start_to_its_last_byte()
     assert eng.costs.take() == []
 
 
-def test_a_hedged_rail_is_charged_when_its_own_copy_arrives_or_the_op_ends():
-    """A rescue must not make an overloaded rail look fine: the late rail is charged from when
-    its share could start to when its own (repeat) copy of the rescued bytes arrived; if the
-    operation ends first, with what it delivered over the time until then."""
+def test_a_hedged_rail_is_charged_with_its_own_deliveries_only():
+    """A rescue must not make an overloaded rail look fine: the late rail is charged with the
+    bytes it delivered itself (its frames, and its own repeats of the rescued bytes while the
+    operation lasts) over the time to its last one; the copies' bytes are not its."""
     eng = engine()
-    total = 2 << 20
+    total = 3 << 20
     slot = eng.post_recv(7, 0, 1, memoryview(bytearray(total)), Desc(wire.K_ALLREDUCE, 0, 0, total))
     with eng.cond:
         eng._mark(slot, header(0, 1 << 20, total, rail=0), 10.0, 9.0, 10.03)
-        # rail 1's share stalled; its copy came on rail 0 after rail 0's own share
-        eng._mark(slot, header(1 << 20, 1 << 20, total, rail=0, copy_of=1), 10.05, 10.03, 10.08)
+        # rail 1 delivered its first frame by 10.06, then stalled; a copy of its second came
+        # on rail 0 at 10.08
+        eng._mark(slot, header(1 << 20, 1 << 20, total, rail=1), 10.001, 9.0, 10.06)
+        eng._mark(slot, header(2 << 20, 1 << 20, total, rail=0, copy_of=1), 10.07, 10.03, 10.08)
     assert slot.complete
-    assert dict((r, (nb, s)) for r, nb, s in eng.costs.take()) == {0: (1 << 20, pytest.approx(0.03))}
-    with eng.cond:   # rail 1's own copy arrives at 10.2: 1 MiB took it 0.2 s
+    assert eng.costs.take() == [(0, 1 << 20, pytest.approx(0.03))]
+    with eng.cond:   # rail 1's own repeat of the rescued frame arrives at 10.2
         eng.costs.late_frame(slot, 1, 1 << 20, 10.2)
-    assert eng.costs.take() == [(1, 1 << 20, pytest.approx(0.2))]
-    assert eng.events.rails[0].bytes_recv == 2 << 20    # the bytes did come on rail 0
+        eng.costs.op_ended([slot])
+    assert eng.costs.take() == [(1, 2 << 20, pytest.approx(0.2))]
+    assert eng.events.rails[0].bytes_recv == 2 << 20    # what came on rail 0
+    assert eng.events.rails[1].bytes_recv == 1 << 20
 
     slot2 = eng.post_recv(8, 0, 1, memoryview(bytearray(total)), Desc(wire.K_ALLREDUCE, 0, 0, total))
-    h = header(0, 1 << 20, total, rail=0)
-    h2 = header(1 << 20, 1 << 20, total, rail=0, copy_of=1)
-    with eng.cond:
-        eng._mark(slot2, h._replace(op_id=8), 20.0, 19.0, 20.03)
-        eng._mark(slot2, h2._replace(op_id=8), 20.05, 20.03, 20.08)
-    eng.costs.take()
-    with eng.cond:   # the op ends before rail 1 delivered much of its share: no sample
-        eng.costs.late_frame(slot2, 1, 256 << 10, 20.3)
-        eng.costs.op_ended([slot2], 20.5)
-    assert eng.costs.take() == []
-    slot2.pending[1] = [20.0, 0, 768 << 10]
-    with eng.cond:   # ...most of it: charged up to the end of the op
-        eng.costs.op_ended([slot2], 20.5)
-    assert eng.costs.take() == [(1, 768 << 10, pytest.approx(0.5))]
+    with eng.cond:   # rail 1 delivered nothing of its share before the op ended: no sample
+        eng._mark(slot2, header(0, 2 << 20, total, rail=0)._replace(op_id=8), 20.0, 19.0, 20.06)
+        eng._mark(slot2, header(2 << 20, 1 << 20, total, rail=0, copy_of=1)._replace(op_id=8),
+                  20.07, 20.06, 20.1)
+        eng.costs.op_ended([slot2])
+    assert eng.costs.take() == [(0, 2 << 20, pytest.approx(0.06))]
 
 
 class FakeConn:
