@@ -16,9 +16,9 @@ late share was completed by hedge copies on other rails (engine/hedge.py), the l
 charged with what it delivered itself (its frames of the share, and its own repeats of the
 rescued bytes that arrive while the operation lasts) over the time to its last such frame:
 the bytes a rescue carried must not make an overloaded rail look fine, and chunks it never
-got to send (the copy won) are not its cost either. Samples
-are summed per operation (one per rail, however small the shares: with 8 or 16 rails or many
-hosts a share is a few dozen KiB) and windowed by the balancer (balance.RailEstimator).
+got to send (the copy won) are not its cost either. Samples are summed per operation (one per
+rail, however small the shares: with 8 or 16 rails or many hosts a share is a few dozen KiB)
+and windowed by the balancer (balance.RailEstimator).
 Each rank measures the hop into it, so the agreement can take the slowest hop of the ring.
 """
 from __future__ import annotations
