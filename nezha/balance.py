@@ -229,6 +229,8 @@ class RailState:
         self.enough = bool(news) and all(counts[r] >= MIN_SAMPLES and b[r] > 0 for r in news)
         if self.state == COLD:
             self.enough = self.enough and len(news) == len(live)
+        for r in live:
+            self.silent[r] = 0 if r in news else self.silent[r] + 1
         # a rail without a fresh estimate (windows restart whenever the model moves) keeps
         # its last agreed one
         self.b = [y if y > 0 else x for x, y in zip(self.b, b)]
@@ -242,8 +244,9 @@ class RailState:
             return [("state", {"state": HOT, "reason": self.reason}),
                     ("weights", self.weights_fields())]
         sa = [(x + y) / 2 for x, y in zip(self.used_a, a)]
-        sb = [x + self.step[r] * (y - x) if r in live else y
-              for r, (x, y) in enumerate(zip(self.used_b, b))]
+        # rails without news stay where they are (the table has nan for them)
+        sb = [x + self.step[r] * ((b[r] if r in news else x) - x) if r in live else self.b[r]
+              for r, x in enumerate(self.used_b)]
         # a rail the split left out is never measured again: after PROBE_AFTER tables without
         # news, assume it is no worse than PROBE_RATIO x the best rail, so it gets a small
         # share and a fresh measurement (the next table puts it back if it really is bad)

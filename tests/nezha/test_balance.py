@@ -217,6 +217,24 @@ def test_missing_startup_estimate_is_filled_from_measured_rails():
     assert bal.rs.a == [3e-4, 3e-4]
 
 
+def test_a_rail_left_out_keeps_its_cost_and_is_probed_after_three_silent_tables():
+    bal = Balancer(3, "nezha")
+    agreed(bal, [1e-8, 1e-8, 1e-5], a=(1e-4,) * 3)          # rail 2: 1000x slower
+    assert bal.rs.state == "hot" and bal.split(4 << 20, 4)[-1][0] != 2   # left out
+    t = np.zeros((3, 3, 3))
+    t[:, 0] = (1e-4, 1.2e-8, 5)
+    t[:, 1] = (1e-4, 1e-8, 5)
+    t[:, 2] = (1e-4, np.nan, 0)                               # no news of rail 2
+    bal.agree(t)
+    assert all(x == x for x in bal.rs.used_b)                 # never nan
+    assert bal.rs.used_b[2] == pytest.approx(1e-5)
+    for _ in range(3):
+        t[:, 0, 1] *= 1.3                                     # keep the model moving
+        bal.agree(t)
+    assert bal.rs.used_b[2] < 1e-5                            # probed: a small share again
+    assert any(r == 2 for r, _, n in bal.split(16 << 20, 4) if n > 0)
+
+
 def test_exchanges_come_soon_after_the_split_moved_and_back_off_while_it_holds():
     bal = Balancer(2, "nezha")
     seen = []
