@@ -223,14 +223,18 @@ class RailState:
         self.a = list(a)
         self.moved = False
         live = self.live
-        # a rail the split left out has no news (counts 0 everywhere): it keeps its last
-        # agreed cost and does not hold the others back
-        news = [r for r in live if counts[r] > 0]
-        self.enough = bool(news) and all(counts[r] >= MIN_SAMPLES and b[r] > 0 for r in news)
-        if self.state == COLD:
-            self.enough = self.enough and len(news) == len(live)
+        # news of a rail = an estimate from every rank that sent on it. A rail without (the
+        # split left it out, or its windows are still filling) keeps its last agreed cost
+        # and does not hold the others back
+        news = [r for r in live if counts[r] >= MIN_SAMPLES and b[r] > 0]
+        self.enough = bool(news)
         for r in live:
             self.silent[r] = 0 if r in news else self.silent[r] + 1
+        if self.state == COLD and len(news) < len(live):
+            # a rail that never delivers a share of its own in time (its shares are always
+            # rescued by hedge copies) gives no news; after PROBE_AFTER tables go HOT
+            # without it: it starts from a probing share
+            self.enough = self.enough and max(self.silent[r] for r in live) >= PROBE_AFTER
         # a rail without a fresh estimate (windows restart whenever the model moves) keeps
         # its last agreed one
         self.b = [y if y > 0 else x for x, y in zip(self.b, b)]
@@ -238,7 +242,10 @@ class RailState:
             return []
         if self.state == COLD:
             self.state = HOT
-            self.used_a, self.used_b = list(a), list(b)
+            best = min(b[r] for r in news)
+            self.used_a = list(a)
+            self.used_b = [b[r] if r in news or r not in live else PROBE_RATIO * best
+                           for r in range(self.nrails)]
             self.moved = True
             self.reason = "estimates for every rail"
             return [("state", {"state": HOT, "reason": self.reason}),

@@ -104,6 +104,7 @@ def test_not_enough_samples_stays_cold():
     for _ in range(5):
         agreed(bal, [1e-8, 1e-8], counts=1)
     assert bal.rs.state == "cold"
+    bal = Balancer(2, "nezha")
     t = np.zeros((3, 2, 3))
     t[:, 0] = (1e-4, 1e-8, 5)
     t[:, 1] = (1e-4, 1e-8, 5)
@@ -233,6 +234,21 @@ def test_a_rail_left_out_keeps_its_cost_and_is_probed_after_three_silent_tables(
         bal.agree(t)
     assert bal.rs.used_b[2] < 1e-5                            # probed: a small share again
     assert any(r == 2 for r, _, n in bal.split(16 << 20, 4) if n > 0)
+
+
+def test_cold_goes_hot_without_a_rail_that_never_reports_and_probes_it():
+    bal = Balancer(3, "nezha")
+    t = np.zeros((3, 3, 3))
+    t[:, 0] = (1e-4, 1e-8, 5)
+    t[:, 1] = (1e-4, 3e-8, 5)
+    t[:, 2] = (1e-4, np.nan, 0)       # its shares are always rescued: no news of its own
+    for _ in range(2):
+        bal.agree(t)
+        assert bal.rs.state == "cold"
+    evs = bal.agree(t)
+    assert bal.rs.state == "hot" and evs[0][0] == "state"
+    assert bal.rs.used_b[2] == pytest.approx(balance.PROBE_RATIO * 1e-8)
+    assert 0 < bal.rs.shares()[2] < 0.05                   # a small probing share
 
 
 def test_exchanges_come_soon_after_the_split_moved_and_back_off_while_it_holds():
