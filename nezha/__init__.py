@@ -19,7 +19,7 @@ Modules, in the order data flows:
   balance      cost model T = a + s*b, estimates, agreement, cold/hot state machine
   health       watchdog, heartbeats, netlink link events, rail reports, re-probe/rejoin
   events       per-rail counters and the JSON-lines event log
-  baselines    make_context(system=...), GlooContext (torch, optional)
+  baselines    make_context(system=...), GlooContext (torch)
   worker       python -m nezha.worker: verified allreduce loop for the testbed
   bench        python -m nezha.bench: latency / algbw / busbw per system
   testing      run ranks as local processes on loopback rails

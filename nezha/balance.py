@@ -211,52 +211,54 @@ class RailState:
     def observe(self, a, b, counts) -> list:
         """Feed one agreed table. Returns a list of (event, fields) for the log.
 
-        A table without an estimate for some live rail changes nothing (COLD stays COLD,
-        HOT keeps its model). The first complete one switches to HOT; later ones move each
-        rail's cost part of the way towards them, and only if that moves some share of a
-        16 MiB message by more than HYSTERESIS. A share's cost depends on its size (a token
-        bucket that refills while a rail idles passes a small share at once, a large one at
-        the rate), so the split is found by a damped iteration: each rail moves by its own
-        step (STEP_START at first), halved whenever the rail turns back (down to STEP_MIN: a
-        rail flapping between two shares settles between them) and grown x1.5 while it keeps
-        one direction (up to STEP_MAX: a rail that really changed is followed at once)."""
+        News of a rail is an estimate from every rank that sent on it. A rail without news
+        (the split left it out, or its windows are still filling) keeps its last agreed cost
+        and does not hold the others back. COLD switches to HOT on the first table with news
+        of every live rail, or after PROBE_AFTER tables without news of some rail (one whose
+        shares are always rescued by hedge copies never reports), which then starts from a
+        probing share. In HOT each table moves the costs in use (``_damped_move``)."""
         self.a = list(a)
         self.moved = False
         live = self.live
-        # news of a rail = an estimate from every rank that sent on it. A rail without (the
-        # split left it out, or its windows are still filling) keeps its last agreed cost
-        # and does not hold the others back
         news = [r for r in live if counts[r] >= MIN_SAMPLES and b[r] > 0]
-        self.enough = bool(news)
         for r in live:
             self.silent[r] = 0 if r in news else self.silent[r] + 1
-        if self.state == COLD and len(news) < len(live):
-            # a rail that never delivers a share of its own in time (its shares are always
-            # rescued by hedge copies) gives no news; after PROBE_AFTER tables go HOT
-            # without it: it starts from a probing share
-            self.enough = self.enough and max(self.silent[r] for r in live) >= PROBE_AFTER
-        # a rail without a fresh estimate (windows restart whenever the model moves) keeps
-        # its last agreed one
         self.b = [y if y > 0 else x for x, y in zip(self.b, b)]
+        self.enough = bool(news)
+        if self.state == COLD and len(news) < len(live):
+            self.enough = self.enough and max(self.silent[r] for r in live) >= PROBE_AFTER
         if not self.enough:
             return []
         if self.state == COLD:
-            self.state = HOT
-            best = min(b[r] for r in news)
-            self.used_a = list(a)
-            self.used_b = [b[r] if r in news or r not in live else PROBE_RATIO * best
-                           for r in range(self.nrails)]
-            self.moved = True
-            self.reason = "estimates for every rail"
-            return [("state", {"state": HOT, "reason": self.reason}),
-                    ("weights", self.weights_fields())]
+            return self._enter_hot(a, b, news)
+        return self._damped_move(a, b, news)
+
+    def _enter_hot(self, a, b, news) -> list:
+        best = min(b[r] for r in news)
+        self.state = HOT
+        self.used_a = list(a)
+        self.used_b = [b[r] if r in news or r not in self.live else PROBE_RATIO * best
+                       for r in range(self.nrails)]
+        self.moved = True
+        self.reason = "estimates for every rail"
+        return [("state", {"state": HOT, "reason": self.reason}),
+                ("weights", self.weights_fields())]
+
+    def _damped_move(self, a, b, news) -> list:
+        """Move each live rail's cost in use part of the way towards the table, and only if
+        that moves some share of a 16 MiB message by more than HYSTERESIS. A share's cost
+        depends on its size (a token bucket that refills while a rail idles passes a small
+        share at once, a large one at the rate), so the split is found by a damped
+        iteration: each rail moves by its own step (STEP_START at first), halved whenever it
+        turns back (down to STEP_MIN: a rail flapping between two shares settles between
+        them) and grown x1.5 while it keeps one direction (up to STEP_MAX: a rail that really
+        changed is followed at once). A rail without news for PROBE_AFTER tables is assumed
+        no worse than PROBE_RATIO x the best rail, so it gets a small share and is measured
+        again (the next table puts it back if it really is bad)."""
+        live = self.live
         sa = [(x + y) / 2 for x, y in zip(self.used_a, a)]
-        # rails without news stay where they are (the table has nan for them)
         sb = [x + self.step[r] * ((b[r] if r in news else x) - x) if r in live else self.b[r]
               for r, x in enumerate(self.used_b)]
-        # a rail the split left out is never measured again: after PROBE_AFTER tables without
-        # news, assume it is no worse than PROBE_RATIO x the best rail, so it gets a small
-        # share and a fresh measurement (the next table puts it back if it really is bad)
         best = min(sb[r] for r in live)
         for r in live:
             if self.silent[r] >= PROBE_AFTER and sb[r] > PROBE_RATIO * best:

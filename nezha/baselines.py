@@ -1,6 +1,6 @@
 """Baselines: make_context() picks a system; GlooContext wraps torch.distributed (gloo).
 
-torch is optional and imported only when the gloo system is asked for.
+torch is imported only when the gloo system is asked for (it is slow to import).
 """
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ class GlooContext:
             import torch
             import torch.distributed as dist
         except ImportError as e:
-            raise ConfigError("system 'gloo' needs torch (pip install 'nezha-testbed[torch]')") from e
+            raise ConfigError("system 'gloo' needs torch (pip install torch==2.13.0, or ./install.sh)") from e
         self.torch, self.dist = torch, dist
         self.rank = int(_first(rank, cfg.rank, -1))
         self.world_size = int(_first(world_size, cfg.world_size, 0))

@@ -208,7 +208,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m testbed",
                                 description="Multi-rail emulation testbed for Nezha.")
     sub = p.add_subparsers(dest="verb", required=True, metavar="VERB")
+    _fabric_verbs(sub)
+    _tool_verbs(sub)
+    return p
 
+
+def _fabric_verbs(sub) -> None:
+    """The verbs that build, run, inspect and remove fabrics."""
     s = sub.add_parser("run", help="build a topology, run its workload and faults, give a verdict")
     s.add_argument("file", nargs="?", help=f"topology file (default: {DEFAULT_TOPOLOGY.name})")
     s.add_argument("--results", help="results folder (default: results/NAME-TIMESTAMP)")
@@ -245,6 +251,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--all", action="store_true", help="also tear down fabrics left up on purpose")
     s.set_defaults(func=cmd_clean)
 
+
+def _tool_verbs(sub) -> None:
+    """The verbs around fabrics: the machine, a shell, captures, the shapes benchmark."""
     s = sub.add_parser("doctor", help="kernel features and tools this machine has")
     s.set_defaults(func=cmd_doctor)
 
@@ -264,7 +273,6 @@ def build_parser() -> argparse.ArgumentParser:
                        "the bottleneck-aware optimum, one row per seed")
     shapes_arguments(s)
     s.set_defaults(func=cmd_shapes)
-    return p
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

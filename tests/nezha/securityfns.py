@@ -24,6 +24,17 @@ N = 1024          # float32 elements per allreduce (the finding: 512 of 1024 cam
 
 
 # ---------------------------------------------------------------------------- tools
+def exact_allreduces(ctx, rank, world, its, pause=0.0) -> list[bool]:
+    """One allreduce per iteration number in ``its``: whether each came back exact."""
+    oks = []
+    for it in its:
+        a = data(rank, it, N, "float32")
+        ctx.allreduce(a)
+        oks.append(bool(np.array_equal(a, reference(world, it, N, "float32", "sum"))))
+        time.sleep(pause)
+    return oks
+
+
 def drain(s, limit: float = 2.0):
     """Everything ``s`` receives until it is closed or ``limit`` s pass: (bytes, closed)."""
     out = bytearray()
@@ -176,19 +187,11 @@ def stray_job(rank, world, port, secret=None, events=None, iters=25):
             th = threading.Thread(target=lambda: res["attack"].update(
                 attack(store, rdv.infos[0]["rails"], rdv.session, world=world)), daemon=True)
             th.start()
-        oks = []
-        for it in range(iters):
-            a = data(rank, it, N, "float32")
-            ctx.allreduce(a)
-            oks.append(bool(np.array_equal(a, reference(world, it, N, "float32", "sum"))))
-            time.sleep(0.05)
+        oks = exact_allreduces(ctx, rank, world, range(iters), pause=0.05)
         if th is not None:
             th.join(30)
         ctx.barrier()
-        for it in range(iters, iters + 5):
-            a = data(rank, it, N, "float32")
-            ctx.allreduce(a)
-            oks.append(bool(np.array_equal(a, reference(world, it, N, "float32", "sum"))))
+        oks += exact_allreduces(ctx, rank, world, range(iters, iters + 5))
         res["same_conns"] = before == {k: id(c) for k, c in ctx._engine.conns.items()}
     res["oks"] = oks
     res["events"] = events_of(ev)
@@ -238,10 +241,7 @@ def replay_job(rank, world, port, secret=SECRET, events=None):
     ev = f"{events}.{rank}"
     out = {}
     with make_ctx(rank, world, port, 2, timeout=10.0, events=ev, secret=secret) as ctx:
-        oks = []
-        a = data(rank, 0, N, "float32")
-        ctx.allreduce(a)
-        oks.append(bool(np.array_equal(a, reference(world, 0, N, "float32", "sum"))))
+        oks = exact_allreduces(ctx, rank, world, [0])
         ctx.barrier()
         if rank == 1:
             rdv = ctx._rdv
@@ -261,10 +261,7 @@ def replay_job(rank, world, port, secret=SECRET, events=None):
             out["replay_accepted"], out["replay_closed"] = accepted(reply), closed
         time.sleep(0.5)
         ctx.barrier()
-        for it in range(1, 6):
-            a = data(rank, it, N, "float32")
-            ctx.allreduce(a)
-            oks.append(bool(np.array_equal(a, reference(world, it, N, "float32", "sum"))))
+        oks += exact_allreduces(ctx, rank, world, range(1, 6))
         ctx.barrier()
     out["oks"] = oks
     out["events"] = events_of(ev)
@@ -287,11 +284,7 @@ def live_rejoin(rank, world, port, secret=None, events=None):
                 out["rejoin"] = f"{type(e).__name__}: {e}"
         time.sleep(0.5)
         ctx.barrier()
-        oks = []
-        for it in range(4):
-            a = data(rank, it, N, "float32")
-            ctx.allreduce(a)
-            oks.append(bool(np.array_equal(a, reference(world, it, N, "float32", "sum"))))
+        oks = exact_allreduces(ctx, rank, world, range(4))
         ctx.barrier()
     out["oks"] = oks
     out["events"] = events_of(ev)
@@ -306,11 +299,7 @@ def control_before_first_op(rank, world, port, events=None, secret=None):
         if rank == 1:
             ctx._debug_kill_rail(0, 1)
         time.sleep(2.0)
-        oks = []
-        for it in range(3):
-            a = data(rank, it, N, "float32")
-            ctx.allreduce(a)
-            oks.append(bool(np.array_equal(a, reference(world, it, N, "float32", "sum"))))
+        oks = exact_allreduces(ctx, rank, world, range(3))
         ctx.barrier()
     return oks, events_of(ev)
 

@@ -96,8 +96,8 @@ def test_pipelined_blocks():
     check_matrix(res)
 
 
-def test_gloo_baseline_when_torch_is_installed():
-    pytest.importorskip("torch")
+def test_gloo_baseline():
+    # torch is a dependency: a missing torch fails here instead of skipping
     res = ok_results(run_ranks(rankfns.gloo_allreduce, 2, timeout=90))
     assert all(res.values()), res
 
