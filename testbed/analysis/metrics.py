@@ -25,10 +25,13 @@ from typing import Any, Iterable, Mapping, Optional, Sequence, Union
 
 import numpy as np
 
+from testbed.analysis.adaptation import adaptation
+from testbed.analysis.competing import competing_bps, flows_detail, workload_bps
 from testbed.analysis.failover import SETTLE_S, shares
 from testbed.analysis.faults import FaultTallies, analyse_faults
 from testbed.analysis.sampler import Rates, Samples
-from testbed.model.records import FaultRecord, IterationRecord, Metrics, as_iterations, is_num
+from testbed.model.records import (FaultRecord, FlowRecord, IterationRecord, Metrics,
+                                   as_iterations, is_num)
 from testbed.model.scenario import METRICS, SHARE_PREFIX, sized_metric
 
 BIN_S = 0.02             # goodput bin
@@ -285,7 +288,7 @@ def _steady_mask(rates: Rates, wl: np.ndarray, faults: Sequence[FaultRecord]) ->
 
 
 def _rail_shares(run: _Run, m: Metrics, rates: Rates, windows: Sequence[Span],
-                 faults: Sequence[FaultRecord]) -> None:
+                 faults: Sequence[FaultRecord], flows: Sequence[FlowRecord] = ()) -> None:
     """rail_share.<rail> over the steady state; per-rail goodput and the goodput series."""
     wl = np.zeros(len(rates), dtype=bool)
     for a, b in windows:
@@ -307,6 +310,12 @@ def _rail_shares(run: _Run, m: Metrics, rates: Rates, windows: Sequence[Span],
     m.detail["goodput"] = {"t_rel": (rates.t - run.t0).round(4).tolist(),
                            "rails_mbps": {r: np.round(v / 1e6, 3).tolist()
                                           for r, v in rates.rail_bps.items()}}
+    if flows:     # traffic faults: the competing flows' estimate and what is left for the work
+        comp = competing_bps(rates, flows)
+        m.detail["goodput"]["competing_mbps"] = {r: np.round(v / 1e6, 3).tolist()
+                                                 for r, v in comp.items()}
+        m.detail["goodput"]["workload_mbps"] = {r: np.round(v / 1e6, 3).tolist()
+                                                for r, v in workload_bps(rates, comp).items()}
 
 
 def _iteration_detail(run: _Run) -> list[dict]:
@@ -335,6 +344,28 @@ def _fault_metrics(m: Metrics, tallies: FaultTallies) -> None:
             m.values[metric] = max(tally.values)
 
 
+def _adaptation(run: _Run, m: Metrics, events: Sequence[dict], faults: Sequence[FaultRecord],
+                flows: Sequence[FlowRecord], windows: Sequence[Span]) -> None:
+    """adaptation_ms (see adaptation.py): worst change; per change in its fault's row."""
+    w = getattr(run.scenario, "workload", None)
+    hosts = (w.hosts if w is not None and w.hosts else None) or run.topo.hosts
+    ts = [e["t"] for e in events if is_num(e.get("t"))]
+    span = (min(a for a, _ in windows), max(b for _, b in windows)) if windows else \
+        ((min(ts), max(ts)) if ts else (run.t0, run.t0))
+    specs = {f.index: f for f in getattr(run.scenario, "faults", ())}
+    ad = adaptation(run.topo, faults, specs, events, flows, hosts, min(span[0], run.t0), span[1])
+    m.values["adaptation_ms"] = ad.value_ms
+    if ad.value_ms is None:
+        m.notes["adaptation_ms"] = ad.why_none() or "not measured"
+    m.detail["split"] = ad.detail(run.t0)
+    by_fault: dict[int, list[dict]] = {}
+    for c in ad.changes:
+        by_fault.setdefault(c.fault, []).append(c.to_dict(run.t0))
+    for row in m.faults:
+        if row.index in by_fault:
+            row.adaptation = by_fault[row.index]
+
+
 def _rates(samples: Optional[Samples], t0: float) -> Optional[Rates]:
     """Goodput in BIN_S bins on a grid aligned with t0, or None without samples."""
     if not samples:
@@ -355,7 +386,8 @@ def _sampler_detail(samples: Optional[Samples]) -> Optional[dict]:
 # ------------------------------------------------------------------------------- compute
 def compute(topo, scenario, samples: Optional[Samples],
             iterations: Iterable[Union[IterationRecord, Mapping]], events: Sequence[dict],
-            faults: Sequence[FaultRecord], t0: float, extra: Optional[dict] = None) -> Metrics:
+            faults: Sequence[FaultRecord], t0: float, extra: Optional[dict] = None,
+            flows: Sequence[FlowRecord] = ()) -> Metrics:
     """Every metric of ``scenario.METRICS`` plus ``rail_share.<rail>``, with notes, per-fault
     rows and detail. ``iterations``: the ranks' lines, as records or as the dicts they wrote
     (converted here, once). Definitions (also in each helper's docstring):
@@ -382,6 +414,9 @@ def compute(topo, scenario, samples: Optional[Samples],
     * busbw_vs_rail_sum = busbw_mbps / sum over rails of their nominal rate (slowest link of
       each rail), None if a rail is unshaped.
     * rank_errors = ``extra['rank_errors']`` (a count, or a list whose length is taken).
+    * adaptation_ms: see ``adaptation.adaptation``; worst over the changes (start and end of a
+      rate or traffic fault, end of a rail-removing one). ``flows``: the traffic faults'
+      competing flows (their goodput is shown apart: ``detail.goodput.competing_mbps``).
     """
     extra = dict(extra or {})
     iterations = as_iterations(iterations)
@@ -404,9 +439,12 @@ def compute(topo, scenario, samples: Optional[Samples],
                 "counts": counts, "sampler": _sampler_detail(samples)}
     rates = _rates(samples, t0)
     if rates is not None and len(rates):
-        _rail_shares(run, m, rates, windows, faults)
+        _rail_shares(run, m, rates, windows, faults, flows)
     else:
         m.notes["rail_share"] = "no kernel samples"
     _fault_metrics(m, analyse_faults(faults, events, run.rails, table, t0, rates, windows,
                                      run.floor_bps))
+    _adaptation(run, m, events, faults, flows, windows)
+    if flows:
+        m.detail["flows"] = flows_detail(flows, t0)
     return m

@@ -6,7 +6,10 @@
   samples.csv             kernel counters per link per sample (t in s since t0)
   timeline.jsonl          every kernel observation, fault, Nezha event and iteration, by time
   topology.resolved.yaml  the topology as resolved (Topology.to_dict())
-  throughput.png          goodput per rail over time, faults shaded and labelled
+  throughput.png          goodput per rail over time, faults shaded and labelled; with a traffic
+                          fault, each loaded rail's competing flows and its workload apart
+  split.png               Nezha's split over time (from its events) against each rail's share of
+                          the capacity (from the shape and the fault schedule), when Nezha ran
   latency.png             iteration latency over time, wrong results marked
   busbw.png               bus bandwidth by message size per system (compare/sweep only)
 """
@@ -22,12 +25,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+import numpy as np
 import yaml
 
 from testbed.analysis.sampler import Samples
 from testbed.analysis.timeline import Timeline
-from testbed.model.records import (DEGRADING, FaultRecord, Metrics, Verdict, format_value,
-                                   jsonable)
+from testbed.model.records import (DEGRADING, FaultRecord, FlowRecord, Metrics, Verdict,
+                                   format_value, jsonable)
 from testbed.model.scenario import METRICS, SHARE_PREFIX, SIZED_PREFIX
 
 # a fault without an end that leaves its mark until the end of the run (a flap always ends)
@@ -49,6 +53,7 @@ class RunResults:
     timeline: Optional[Timeline] = None
     phases: Optional[list[dict]] = None
     timings: dict = field(default_factory=dict)
+    flows: list[FlowRecord] = field(default_factory=list)
 
 
 def versions() -> dict:
@@ -108,8 +113,10 @@ def _write_plots(out: Path, run: RunResults, t0: float) -> dict[str, Path]:
     matplotlib.use("Agg", force=True)
     m = run.metrics
     written = {"throughput": plot_throughput(out / "throughput.png", run.topo, m, run.samples,
-                                             run.faults, t0, run.phases),
+                                             run.faults, t0, run.phases, run.flows),
                "latency": plot_latency(out / "latency.png", m, run.faults, t0)}
+    if (m.detail.get("split") or {}).get("nezha"):
+        written["split"] = plot_split(out / "split.png", run.topo, m, run.faults, t0)
     bw = m.detail.get("busbw_by_system") or {}
     if run.phases or len(bw) > 1 or any(len(v) > 1 for v in bw.values()):
         written["busbw"] = plot_busbw(out / "busbw.png", run.topo, m)
@@ -164,8 +171,10 @@ def _fault_spans(ax, faults: Sequence[FaultRecord], t0: float, t_max: float) -> 
 
 
 def plot_throughput(path: Path, topo, metrics: Metrics, samples: Optional[Samples],
-                    faults: Sequence[FaultRecord], t0: float, phases=None) -> Path:
+                    faults: Sequence[FaultRecord], t0: float, phases=None,
+                    flows: Sequence[FlowRecord] = ()) -> Path:
     import matplotlib.pyplot as plt
+    from testbed.analysis.competing import competing_bps, workload_bps
     from testbed.analysis.metrics import BIN_S
     fig, ax = plt.subplots(figsize=(11, 4.8), dpi=110)
     t_max = 1.0
@@ -174,9 +183,20 @@ def plot_throughput(path: Path, topo, metrics: Metrics, samples: Optional[Sample
                               * BIN_S)
         x = rates.centers - t0
         t_max = float(x[-1]) if len(x) else 1.0
-        for r in [rl.name for rl in topo.rails]:
-            if r in rates.rail_bps:
-                ax.plot(x, rates.rail_bps[r] / 1e6, lw=1, label=f"rail {r}")
+        comp = competing_bps(rates, flows) if flows else {}
+        work = workload_bps(rates, comp)
+        for i, r in enumerate([rl.name for rl in topo.rails]):
+            if r not in rates.rail_bps:
+                continue
+            c = f"C{i}"
+            if r in comp:    # the workload's part (rail minus flows), the flows, and the rail
+                ax.plot(x, work[r] / 1e6, lw=1, color=c, label=f"rail {r}: workload")
+                ax.plot(x, comp[r] / 1e6, lw=1.2, ls="--", color=c,
+                        label=f"rail {r}: competing flows (their receivers' count)")
+                ax.plot(x, rates.rail_bps[r] / 1e6, lw=0.6, color=c, alpha=0.35,
+                        label=f"rail {r}: all (kernel)")
+            else:
+                ax.plot(x, rates.rail_bps[r] / 1e6, lw=1, color=c, label=f"rail {r}")
         if len(rates.rail_bps) > 1:
             ax.plot(x, rates.total_bps / 1e6, lw=1, color="0.3", alpha=0.6, label="total")
     else:
@@ -197,6 +217,67 @@ def plot_throughput(path: Path, topo, metrics: Metrics, samples: Optional[Sample
     ax.grid(alpha=0.3)
     if ax.get_legend_handles_labels()[0]:
         ax.legend(loc="lower right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def _steps(series: Sequence[dict], t_max: float) -> tuple[list[float], list[list[float]]]:
+    """x and per-rail y of a step line from [{t_rel, shares}], held to t_max."""
+    xs = [s["t_rel"] for s in series] + [max(t_max, series[-1]["t_rel"])]
+    ys = [[s["shares"][i] for s in series] + [series[-1]["shares"][i]]
+          for i in range(len(series[0]["shares"]))]
+    return xs, ys
+
+
+def plot_split(path: Path, topo, metrics: Metrics, faults: Sequence[FaultRecord],
+               t0: float) -> Path:
+    """Nezha's split (solid steps, from its events) against each rail's share of the capacity
+    (dashed steps, the optimum split under the faults active), the 10 % band around it, and
+    the workload's measured share per 200 ms (dots, kernel counters minus competing flows)."""
+    import matplotlib.pyplot as plt
+    sp = metrics.detail.get("split") or {}
+    nez, cap = sp.get("nezha") or [], sp.get("capacity") or []
+    good = metrics.detail.get("goodput") or {}
+    t_rel = good.get("t_rel") or []
+    t_max = max([t_rel[-1] if t_rel else 0.0] + [s["t_rel"] for s in nez + cap])
+    fig, ax = plt.subplots(figsize=(11, 4.8), dpi=110)
+    rails = [r.name for r in topo.rails]
+    if cap:
+        xs, ys = _steps(cap, t_max)
+        for i, y in enumerate(ys):
+            ax.step(xs, y, where="post", ls="--", lw=1.4, color=f"C{i}",
+                    label=f"{rails[i]}: capacity share (optimum)")
+            ax.fill_between(xs, [v - 0.1 for v in y], [v + 0.1 for v in y], step="post",
+                            color=f"C{i}", alpha=0.08, lw=0)
+    xs, ys = _steps(nez, t_max)
+    for i, y in enumerate(ys):
+        ax.step(xs, y, where="post", lw=2, color=f"C{i}", label=f"{rails[i]}: Nezha's split")
+    work = good.get("workload_mbps") or good.get("rails_mbps") or {}
+    if t_rel and all(r in work for r in rails):
+        k = 10      # 10 bins of 20 ms
+        n = len(t_rel) // k
+        arr = np.array([work[r][:n * k] for r in rails], dtype=float).reshape(len(rails), n, k)
+        tot = np.nansum(arr, axis=(0, 2))
+        ok = tot > 0.05 * np.nanmax(tot) if n and np.nanmax(tot) > 0 else np.zeros(n, bool)
+        xm = np.array(t_rel[:n * k]).reshape(n, k).mean(axis=1)
+        for i in range(len(rails)):
+            share = np.nansum(arr[i], axis=1) / np.where(tot > 0, tot, 1)
+            ax.plot(xm[ok], share[ok], ".", ms=3, color=f"C{i}", alpha=0.5,
+                    label=f"{rails[i]}: measured share (200 ms)")
+    _fault_spans(ax, faults, t0, t_max)
+    for c in sp.get("changes") or []:
+        if c.get("adaptation_ms") is not None:
+            ax.annotate(f"{c['adaptation_ms']:.0f} ms", xy=(c["t_rel"], 0.02), fontsize=8,
+                        color="0.2")
+    ax.set_ylim(-0.02, 1.02)
+    ax.set_xlabel("time since start of run (s)")
+    ax.set_ylabel("share of the allreduce's bytes")
+    ax.set_title(f"{topo.name}: Nezha's split (its weights events, rank {sp.get('rank')}) vs the "
+                 f"rails' capacity share; band = +-10 %")
+    ax.grid(alpha=0.3)
+    ax.legend(loc="center right", fontsize=7)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)

@@ -26,7 +26,7 @@ from testbed.model.scenario import SHARE_PREFIX
 
 # fault kinds by what they do to a rail: the analysis and the fault schedule share these
 RAIL_REMOVING = ("link-down", "blackhole", "flap")   # the rail carries nothing while active
-DEGRADING = ("rate", "loss", "delay")                 # the rail carries less while active
+DEGRADING = ("rate", "loss", "delay", "traffic")      # the rail carries less while active
 SHAPING = ("rate", "loss", "blackhole", "delay")      # applied as a layer over the link's shape
 
 
@@ -124,6 +124,52 @@ class FaultRecord:
                 "for": self.duration, "t_issued": self.t_issued, "t_applied": self.t_applied,
                 "t_end": self.t_end, "rails": list(self.rails), "links": list(self.links),
                 "toggles": [t.to_dict() for t in self.toggles]}
+
+
+@dataclass
+class FlowRecord:
+    """One competing flow of a ``traffic`` fault (testbed/run/traffic.py): who sent to whom on
+    which rail, and what each end counted. ``sent`` / ``received``: (monotonic t, cumulative
+    payload bytes) about every 100 ms, as the flow's own ends wrote them; ``factor``: payload
+    bytes per byte of Ethernet frame (to estimate the flow's share of the kernel's L2
+    counters); ``t_start`` / ``t_end``: when the sender began and stopped sending."""
+
+    fault: int
+    proto: str
+    rail: str
+    src: str
+    dst: str
+    offered_bps: float
+    factor: float
+    t_start: Optional[float] = None
+    t_end: Optional[float] = None
+    sent: list[tuple[float, int]] = field(default_factory=list)
+    received: list[tuple[float, int]] = field(default_factory=list)
+    pid_send: Optional[int] = None
+    pid_recv: Optional[int] = None
+
+    @property
+    def links(self) -> list[str]:
+        """The links whose counters carry this flow: the sender's and the receiver's."""
+        return [f"{self.src}.{self.rail}", f"{self.dst}.{self.rail}"]
+
+    def rate_bps(self, which: str = "received") -> Optional[float]:
+        """Mean payload rate over the time the sender was sending (None: it never did)."""
+        pts = getattr(self, which)
+        if self.t_start is None or self.t_end is None or self.t_end <= self.t_start or not pts:
+            return None
+        inside = [b for t, b in pts if t <= self.t_end + 0.2]
+        before = [b for t, b in pts if t <= self.t_start]
+        n = (inside[-1] if inside else 0) - (before[-1] if before else 0)
+        return n * 8 / (self.t_end - self.t_start)
+
+    def to_dict(self) -> dict:
+        return {"fault": self.fault, "proto": self.proto, "rail": self.rail, "src": self.src,
+                "dst": self.dst, "links": self.links, "offered_bps": self.offered_bps,
+                "factor": self.factor, "t_start": self.t_start, "t_end": self.t_end,
+                "sent_bps": self.rate_bps("sent"), "received_bps": self.rate_bps("received"),
+                "sent_bytes": self.sent[-1][1] if self.sent else 0,
+                "received_bytes": self.received[-1][1] if self.received else 0}
 
 
 # ------------------------------------------------------------------------------------ iterations
@@ -229,6 +275,7 @@ class FaultMetrics:
     failover: Optional[Failover] = None
     iteration_stall_ms: Optional[float] = None
     recovery: Optional[Recovery] = None
+    adaptation: Optional[list[dict]] = None    # per change (start/end): adaptation.Change
 
     def to_dict(self) -> dict:
         out: dict[str, Any] = {"index": self.index, "label": self.label, "action": self.action,
@@ -243,6 +290,8 @@ class FaultMetrics:
         if self.recovery is not None:
             out.update(recovery_ms=self.recovery.recovery_ms,
                        recovery_by_rail=self.recovery.by_rail, recovery_note=self.recovery.note)
+        if self.adaptation is not None:
+            out["adaptation"] = self.adaptation
         return out
 
 
@@ -283,7 +332,8 @@ class Metrics(Mapping):
 
 
 # ------------------------------------------------------------------------------------ verdict
-UNITS = {"failover_ms": "ms", "detection_ms": "ms", "recovery_ms": "ms", "busbw_mbps": "Mbit/s"}
+UNITS = {"failover_ms": "ms", "detection_ms": "ms", "recovery_ms": "ms", "adaptation_ms": "ms",
+         "busbw_mbps": "Mbit/s"}
 
 
 def format_value(metric: str, value: Any) -> str:

@@ -13,11 +13,12 @@ from nezha.kinds import ALL_SYSTEMS as SYSTEMS, DTYPES, OPS
 from testbed.errors import SpecError, quote
 from testbed.model.units import (MAX_CAPTURE_MB, MAX_COUNT, MAX_DELAY_S, MAX_FLAP_STEPS,
                                  MAX_PHASES, MAX_ROUNDS, MIN_FLAP_PERIOD_S, format_duration,
-                                 format_size, parse_duration, parse_percent, parse_rate,
-                                 parse_size)
+                                 format_rate, format_size, parse_duration, parse_percent,
+                                 parse_rate, parse_size)
 
 WORKLOAD_KINDS = ("allreduce", "sweep", "compare", "command", "none")
 ENDS = ("host", "switch", "both")
+PROTOS = ("tcp", "udp")      # a traffic fault's flows
 
 # action -> (allowed target kinds, keys it takes besides at/action/target)
 FAULT_ACTIONS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
@@ -29,6 +30,7 @@ FAULT_ACTIONS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "blackhole": (("link", "rail", "host"), ("for",)),
     "flap":      (("link", "rail", "host"), ("period", "for", "end")),
     "kill":      (("host",), ("signal",)),
+    "traffic":   (("rail",), ("value", "for", "between", "proto")),
 }
 
 # metric -> (unit, what it is); the verdict module computes them, README defines them.
@@ -43,6 +45,8 @@ METRICS: dict[str, str] = {
     "busbw_vs_single_rail": "Nezha bus bandwidth / single-rail bus bandwidth (compare)",
     "busbw_vs_rail_sum": "bus bandwidth / sum of the rails' nominal rates",
     "rank_errors": "ranks that exited with an error",
+    "adaptation_ms": "ms from a rail's change (rate, traffic, return) until Nezha's split is "
+                     "within 10 % of the new optimum split (worst change)",
 }
 SHARE_PREFIX = "rail_share."   # rail_share.r0: {min: 0.7, max: 0.8}
 SIZED_PREFIX = "busbw_vs_single_rail."   # busbw_vs_single_rail.16MiB: {min: 1.8} (compare)
@@ -61,9 +65,14 @@ class Fault:
     jitter: float = 0.0
     signal: str = "KILL"
     index: int = 0
+    between: tuple[str, ...] = ()     # traffic: the hosts whose flows load the rail (a ring)
+    proto: str = "tcp"                # traffic: tcp | udp
 
     @property
     def label(self) -> str:
+        if self.action == "traffic":
+            hosts = f" between {','.join(self.between)}" if self.between else ""
+            return f"traffic {self.target} {format_rate(self.value)} {self.proto}{hosts}"
         v = f" {self.value}" if self.value is not None else ""
         return f"{self.action} {self.target}{v}"
 
@@ -282,14 +291,17 @@ def parse_faults(raw: Any, topo) -> tuple[Fault, ...]:
             kw["duration"] = parse_duration(item["for"], f"{f}.for", allow_zero=False)
         if "end" in item:
             kw["end"] = _choice(item["end"], ENDS, f"{f}.end")
-        if action in ("rate", "loss", "delay"):
+        if action in ("rate", "loss", "delay", "traffic"):
             if "value" not in item:
                 raise SpecError(f"{f}.value", "missing", f"the new {action} (e.g. "
-                                + {"rate": "20mbit", "loss": "20%", "delay": "5ms"}[action] + ")")
+                                + {"rate": "20mbit", "loss": "20%", "delay": "5ms",
+                                   "traffic": "150mbit: the competing flows' offered rate"
+                                   }[action] + ")")
             if action == "delay":
                 kw["value"] = parse_duration(item["value"], f"{f}.value", maximum=MAX_DELAY_S)
             else:
-                parser = {"rate": parse_rate, "loss": parse_percent}[action]
+                parser = {"rate": parse_rate, "loss": parse_percent,
+                          "traffic": parse_rate}[action]
                 kw["value"] = parser(item["value"], f"{f}.value")
         if action == "delay" and "jitter" in item:
             kw["jitter"] = parse_duration(item["jitter"], f"{f}.jitter", maximum=MAX_DELAY_S)
@@ -299,11 +311,41 @@ def parse_faults(raw: Any, topo) -> tuple[Fault, ...]:
                                 "flap needs period (down+up cycle, e.g. 500ms) and for")
             kw["period"] = _flap_period(item["period"], f"{f}.period")
             flap_steps += _flap_steps(kw["period"], kw["duration"], f"{f}.for", flap_steps)
+        if action == "traffic":
+            kw.update(_traffic(item, topo, f))
         if action == "kill":
             sig = item.get("signal", "KILL")
             kw["signal"] = _choice(sig, ("KILL", "TERM", "INT", "STOP"), f"{f}.signal")
         faults.append(Fault(**kw))
     return tuple(sorted(faults, key=lambda x: (x.at, x.index)))
+
+
+def _traffic(item: dict, topo, f: str) -> dict[str, Any]:
+    """A traffic fault's ``proto`` and ``between`` (hosts attached to the rail, at least two,
+    each once; their flows form a ring in the order given)."""
+    kw: dict[str, Any] = {"proto": _choice(item.get("proto", "tcp"), PROTOS, f"{f}.proto")}
+    rail = item["target"]
+    on_rail = tuple(h for h in topo.hosts if (h, rail) in topo.links)
+    if "between" not in item:
+        if len(on_rail) < 2:
+            raise SpecError(f"{f}.target", f"rail {rail} has {len(on_rail)} host",
+                            "a rail with at least two hosts: a flow needs two ends")
+        return kw
+    hosts = item["between"]
+    if not isinstance(hosts, list) or len(hosts) < 2:
+        raise SpecError(f"{f}.between", f"{quote(hosts)} is not a list of at least two hosts",
+                        f"hosts on rail {rail}, e.g. [{', '.join(on_rail[:2])}]")
+    seen: set[str] = set()
+    for i, h in enumerate(hosts):
+        if not isinstance(h, str) or h not in on_rail:
+            raise SpecError(f"{f}.between[{i}]", f"{quote(h)} is not a host on rail {rail}",
+                            f"one of: {_listing(on_rail)}")
+        if h in seen:
+            raise SpecError(f"{f}.between[{i}]", f"{quote(h)} is listed twice",
+                            "each host at most once")
+        seen.add(h)
+    kw["between"] = tuple(hosts)
+    return kw
 
 
 def _flap_period(value: Any, field_: str) -> float:

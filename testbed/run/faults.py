@@ -16,9 +16,10 @@ from dataclasses import replace
 from typing import Callable, Optional
 
 from testbed.fabric import Fabric, Link
-from testbed.model.records import SHAPING, FaultRecord, Toggle
+from testbed.model.records import SHAPING, FaultRecord, FlowRecord, Toggle
 from testbed.model.scenario import Fault
 from testbed.model.spec import Shape
+from testbed.run.traffic import TrafficFlows, flow_hosts
 
 log = logging.getLogger(__name__)
 
@@ -74,10 +75,13 @@ class FaultInjector:
 
     def __init__(self, fabric: Fabric, faults: tuple[Fault, ...],
                  kill: Optional[Callable[[str, str], None]] = None,
-                 on_event: Optional[Callable[[dict], None]] = None) -> None:
+                 on_event: Optional[Callable[[dict], None]] = None,
+                 traffic: Optional[TrafficFlows] = None) -> None:
         self.fabric = fabric
         self.faults = faults
         self.kill = kill
+        self.traffic = traffic
+        self.flow_records: list[FlowRecord] = []
         self.on_event = on_event or (lambda e: None)
         self.layers = {name: _LinkLayers(link, link.shape) for name, link in fabric.links.items()}
         self.records: list[FaultRecord] = []
@@ -94,6 +98,9 @@ class FaultInjector:
         target = self.fabric.target(fault.target)
         if fault.target_kind == "link":
             return [target]
+        if fault.target_kind == "rail" and fault.action == "traffic":
+            hosts = flow_hosts(fault, tuple(l.host for l in target.links))
+            return [l for l in target.links if l.host in hosts]
         if fault.target_kind == "rail":
             return list(target.links)
         return self.fabric.host_links(fault.target)
@@ -134,8 +141,14 @@ class FaultInjector:
 
     def _warm_up(self) -> None:
         """Touch every netlink socket a fault will use, from this thread: pyroute2 pays ~10 ms
-        the first time a thread uses a socket, which would otherwise land inside a fault."""
+        the first time a thread uses a socket, which would otherwise land inside a fault.
+        A traffic fault's flows are launched here: their senders wait for the fault's time."""
         for f in self.faults:
+            if f.action == "traffic" and self.traffic is not None:
+                try:
+                    self.traffic.launch(f, self.t0)
+                except Exception as e:  # no flow is a failed run, not a crash
+                    self.errors.append(f"fault {f.index} ({f.label}): flows not started: {e}")
             if f.action == "kill":
                 continue
             for link in self.links_of(f):
@@ -171,6 +184,27 @@ class FaultInjector:
                     self._step("end", fault)
                 except Exception as e:  # the fabric may be going away; report, don't mask
                     self.errors.append(f"undo of fault {fault.index} failed: {e}")
+        if self.traffic is not None and self.traffic.flows:
+            self.traffic.stop()
+            self.flow_records = self.traffic.records()
+            self._flow_times()
+
+    def _flow_times(self) -> None:
+        """A traffic fault took effect when its last sender began, and ended when its last
+        sender stopped (as the flows recorded them, on the same clock)."""
+        for rec in self.records:
+            mine = [fl for fl in self.flow_records if fl.fault == rec.index]
+            if rec.action != "traffic" or not mine:
+                continue
+            starts = [fl.t_start for fl in mine if fl.t_start is not None]
+            ends = [fl.t_end for fl in mine if fl.t_end is not None]
+            if len(starts) < len(mine):
+                self.errors.append(f"fault {rec.index} ({rec.label}): "
+                                   f"{len(mine) - len(starts)} of {len(mine)} flows never sent")
+            if starts:
+                rec.t_applied = max(starts)
+            if ends and rec.t_end is not None:
+                rec.t_end = max(ends)
 
     # ---------------------------------------------------------------- one step
     def _record(self, fault: Fault) -> FaultRecord:
@@ -224,6 +258,10 @@ class FaultInjector:
         elif f.action == "delay":
             t = max(layer.push_shape(key, {"delay_s": f.value, "jitter_s": f.jitter})
                     for layer in links)
+        elif f.action == "traffic":
+            if self.traffic is None:
+                raise RuntimeError("no traffic launcher for competing flows")
+            t = time.monotonic()      # the senders start at this moment on their own
         elif f.action == "kill":
             if self.kill is None:
                 raise RuntimeError("no workload process to kill")

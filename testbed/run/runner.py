@@ -12,7 +12,7 @@ import json
 import sys
 import time
 from contextlib import ExitStack
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -24,12 +24,13 @@ from testbed.analysis.timeline import Timeline
 from testbed.fabric.guard import sigterm_as_interrupt
 from testbed.fabric.mininet_backend import fabric_class
 from testbed.kernel.capabilities import probe
-from testbed.model.records import FaultRecord, IterationRecord, Metrics, Verdict
+from testbed.model.records import FaultRecord, FlowRecord, IterationRecord, Metrics, Verdict
 from testbed.model.scenario import Scenario
 from testbed.model.scenario import build as build_scenario
 from testbed.model.spec import Topology, check_capabilities, load
 from testbed.run.capture import Capture
 from testbed.run.faults import FaultInjector
+from testbed.run.traffic import TrafficFlows
 from testbed.run.workload import PhaseResult, WorkloadRunner
 
 Say = Callable[[str], None]
@@ -56,6 +57,7 @@ class Observed:
     phases: list[PhaseResult]
     faults: list[FaultRecord]
     fault_errors: list[str]
+    flows: list[FlowRecord] = field(default_factory=list)   # traffic faults' competing flows
 
     @property
     def iterations(self) -> list[IterationRecord]:
@@ -129,7 +131,10 @@ def _observe(fabric, scenario: Scenario, out: Path, say: Say) -> Observed:
         stack.callback(sampler.stop)
         runner = WorkloadRunner(fabric, scenario.workload, out / "ranks", progress=say) \
             if scenario.workload else None
-        injector = FaultInjector(fabric, scenario.faults, kill=runner.kill if runner else None)
+        traffic = TrafficFlows(fabric, out / "traffic", fabric.caps.congestion_control(
+            fabric.topo)) if any(f.action == "traffic" for f in scenario.faults) else None
+        injector = FaultInjector(fabric, scenario.faults, kill=runner.kill if runner else None,
+                                 traffic=traffic)
         stack.callback(injector.stop)
         sampler.start()
         t0 = time.monotonic()
@@ -139,7 +144,8 @@ def _observe(fabric, scenario: Scenario, out: Path, say: Say) -> Observed:
                 + (f" for {f.duration:g}s" if f.duration else ""))
         phases = _run_workload(runner, scenario, t0, say)
     say(f"   workload done in {time.monotonic() - t0:.1f} s; computing metrics")
-    return Observed(t0, sampler.stop(), phases, injector.records, list(injector.errors))
+    return Observed(t0, sampler.stop(), phases, injector.records, list(injector.errors),
+                    injector.flow_records)
 
 
 def _analyse(topo: Topology, scenario: Scenario, obs: Observed) -> report.RunResults:
@@ -153,13 +159,13 @@ def _analyse(topo: Topology, scenario: Scenario, obs: Observed) -> report.RunRes
              "phases": phases, "fault_errors": obs.fault_errors}
     iterations, events = obs.iterations, obs.events
     m = metrics_mod.compute(topo, scenario, obs.samples, iterations, events, obs.faults,
-                            obs.t0, extra=extra)
+                            obs.t0, extra=extra, flows=obs.flows)
     v = verdict_mod.judge(scenario.expect, m)
     timeline = Timeline.merge(samples=obs.samples, faults=obs.faults, events=events,
                               iterations=iterations, t0=obs.t0)
     compare = scenario.workload and scenario.workload.kind in ("compare", "sweep")
     results = report.RunResults(topo, scenario, m, v, obs.faults, obs.samples, timeline,
-                                phases=phases if compare else None)
+                                phases=phases if compare else None, flows=obs.flows)
     return results
 
 
