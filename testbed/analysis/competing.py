@@ -62,5 +62,6 @@ def flows_detail(flows: Sequence[FlowRecord], t0: float) -> list[dict]:
                      "received_l2_mbps": mb(None if recv is None else recv / fl.factor),
                      "t_start_rel": None if fl.t_start is None else fl.t_start - t0,
                      "t_end_rel": None if fl.t_end is None else fl.t_end - t0,
-                     "sent_bytes": d["sent_bytes"], "received_bytes": d["received_bytes"]})
+                     "sent_bytes": d["sent_bytes"], "received_bytes": d["received_bytes"],
+                     "pids": [p for p in (fl.pid_send, fl.pid_recv) if p is not None]})
     return rows

@@ -351,7 +351,7 @@ def _adaptation(run: _Run, m: Metrics, events: Sequence[dict], faults: Sequence[
     hosts = (w.hosts if w is not None and w.hosts else None) or run.topo.hosts
     ts = [e["t"] for e in events if is_num(e.get("t"))]
     span = (min(a for a, _ in windows), max(b for _, b in windows)) if windows else \
-        ((min(ts), max(ts)) if ts else (run.t0, run.t0))
+        ((min(ts), max(ts)) if ts else (run.t0, math.inf))
     specs = {f.index: f for f in getattr(run.scenario, "faults", ())}
     ad = adaptation(run.topo, faults, specs, events, flows, hosts, min(span[0], run.t0), span[1])
     m.values["adaptation_ms"] = ad.value_ms
