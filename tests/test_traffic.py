@@ -160,6 +160,9 @@ def test_flows_deliver_their_offered_rate_apart_from_the_workload_and_leave_noth
         lines = [json.loads(l) for l in p.read_text().splitlines()]
         assert lines[-1].get("final")
     assert "split" not in {p.stem for p in out.results_dir.iterdir()}   # no Nezha, no split
+    kinds = [json.loads(l)["kind"] for l in
+             (out.results_dir / "timeline.jsonl").read_text().splitlines()]
+    assert kinds.count("flow_start") == kinds.count("flow_end") == 4
 
 
 CRASH = textwrap.dedent("""

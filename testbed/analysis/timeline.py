@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Mapping, Optional, Sequence, Union
 
-from testbed.model.records import (FaultRecord, IterationRecord, as_iterations, jsonable,
-                                   load_jsonl)
+from testbed.model.records import (FaultRecord, FlowRecord, IterationRecord, as_iterations,
+                                   jsonable, load_jsonl)
 
 if TYPE_CHECKING:
     from testbed.analysis.sampler import Samples
@@ -92,6 +92,22 @@ def _event_rows(events: Sequence[dict], rail_names: Sequence[str]) -> list[dict]
     return recs
 
 
+def _flow_rows(flows: Sequence[FlowRecord]) -> list[dict]:
+    """A competing flow's start and end (traffic faults), with what it delivered."""
+    out = []
+    for fl in flows:
+        base = {"source": "traffic", "fault": fl.fault, "proto": fl.proto, "rail": fl.rail,
+                "src": fl.src, "dst": fl.dst}
+        if fl.t_start is not None:
+            out.append({"t": fl.t_start, "kind": "flow_start", **base,
+                        "offered_mbps": fl.offered_bps / 1e6})
+        if fl.t_end is not None:
+            rate = fl.rate_bps("received")
+            out.append({"t": fl.t_end, "kind": "flow_end", **base,
+                        "received_mbps": None if rate is None else rate / 1e6})
+    return out
+
+
 def _iteration_rows(iterations: Sequence[IterationRecord]) -> list[dict]:
     return [{"t": it.t_end, "source": "iteration", "kind": "iteration_end", "rank": it.rank,
              "iter": it.iter, "ok": it.ok, "bytes": it.bytes,
@@ -105,12 +121,13 @@ class Timeline:
     """Records from every source on one monotonic clock, sorted by ``t``.
 
     Every record has ``t`` (monotonic s), ``t_rel`` (s since the run's t0), ``source``
-    (kernel | fault | nezha | iteration) and ``kind``:
+    (kernel | fault | nezha | iteration | traffic) and ``kind``:
     kernel: ``goodput`` (per-rail Mbit/s over the last ``summary_s``), ``link_down`` /
     ``link_up`` (first sample with the changed state), ``traffic_stop`` / ``traffic_resume``
     (a link's rx counter flat for >= ``min_idle``; stop = first flat sample);
     fault: ``fault_start`` / ``fault_toggle`` / ``fault_end``; nezha: the event name;
-    iteration: ``iteration_end`` (one per rank and iteration, with latency and ok)."""
+    iteration: ``iteration_end`` (one per rank and iteration, with latency and ok);
+    traffic: ``flow_start`` / ``flow_end`` (a traffic fault's competing flow)."""
 
     t0: float
     records: list[dict] = field(default_factory=list)
@@ -121,7 +138,8 @@ class Timeline:
               events: Sequence[dict] = (),
               iterations: Sequence[Union[IterationRecord, Mapping]] = (),
               t0: Optional[float] = None, rails: Optional[Sequence[str]] = None,
-              summary_s: float = 0.1, min_idle: float = 0.04) -> "Timeline":
+              summary_s: float = 0.1, min_idle: float = 0.04,
+              flows: Sequence[FlowRecord] = ()) -> "Timeline":
         iterations = as_iterations(iterations)   # records, or the dicts the ranks wrote
         if t0 is None:
             cands = [f.t_applied for f in faults if f.t_applied is not None]
@@ -130,7 +148,8 @@ class Timeline:
             t0 = min(cands) if cands else 0.0
         rail_names = list(rails) if rails else (list(samples.rails) if samples else [])
         recs = cls._kernel(samples, t0, summary_s, min_idle) if samples else []
-        recs += _fault_rows(faults) + _event_rows(events, rail_names) + _iteration_rows(iterations)
+        recs += _fault_rows(faults) + _event_rows(events, rail_names) + \
+            _iteration_rows(iterations) + _flow_rows(flows)
         for r in recs:
             r["t_rel"] = r["t"] - t0
         recs.sort(key=lambda r: r["t"])
