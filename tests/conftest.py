@@ -21,7 +21,23 @@ def _netns_unavailable() -> str | None:
     return None
 
 
+def rerun_policy_violations(config, items) -> list[str]:
+    """The rerun rule (pyproject.toml): only a test marked ``timing`` may carry ``flaky``, and no
+    run reruns every test. Returns what breaks it, one line each."""
+    bad = [f"{item.nodeid}: @pytest.mark.flaky without @pytest.mark.timing (reruns are only "
+           f"for timing-sensitive tests, never for a correctness check)"
+           for item in items
+           if item.get_closest_marker("flaky") and not item.get_closest_marker("timing")]
+    if (getattr(config.option, "reruns", 0) or 0) > 0:
+        bad.append(f"--reruns {config.option.reruns} reruns every test, correctness checks "
+                   f"included; timing-sensitive tests carry their own flaky marker")
+    return bad
+
+
 def pytest_collection_modifyitems(config, items):
+    bad = rerun_policy_violations(config, items)
+    if bad:
+        raise pytest.UsageError("rerun policy:\n  " + "\n  ".join(bad))
     reason = _netns_unavailable()
     if reason is None:
         return

@@ -13,9 +13,8 @@ import pytest
 from testbed.kernel import capabilities, netns
 from testbed.kernel.capabilities import Capabilities, probe
 
-pytestmark = pytest.mark.netns
-
-needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root for network namespaces")
+# only the tests that probe or enter namespaces are marked netns (tests/conftest.py skips them,
+# with the reason, where root or namespaces are missing); the pure-Python ones run everywhere
 
 
 def _tc_netem_works() -> bool:
@@ -32,7 +31,7 @@ def _tc_netem_works() -> bool:
         subprocess.run(["ip", "netns", "del", ns], check=False)
 
 
-@needs_root
+@pytest.mark.netns
 def test_probe_reports_this_kernel_and_leaves_nothing_behind():
     t0 = time.monotonic()
     caps = probe(refresh=True)
@@ -56,7 +55,7 @@ def test_probe_reports_this_kernel_and_leaves_nothing_behind():
     assert caps.mptcp == mptcp_on
 
 
-@needs_root
+@pytest.mark.netns
 def test_probe_is_cached_and_refreshable():
     a = probe()
     assert probe() is a
@@ -65,7 +64,7 @@ def test_probe_is_cached_and_refreshable():
     assert probe() is b
 
 
-@needs_root
+@pytest.mark.netns
 def test_probe_cleans_up_on_error(monkeypatch):
     def boom(*a, **k):
         raise RuntimeError("injected")
@@ -94,7 +93,7 @@ def test_rows_and_loss_method():
         caps.htb = False  # frozen
 
 
-@needs_root
+@pytest.mark.netns
 def test_call_in_enters_the_namespace_on_a_worker_only():
     """fn runs inside the namespace (its sockets stay there); the caller's thread never moves,
     errors come back to the caller, and a worker calling call_in again does not deadlock."""

@@ -146,6 +146,9 @@ faults:
 
 
 @pytest.mark.netns
+@pytest.mark.timing            # when: the fault lands at 0.3 s within 20 ms, seen by an observer
+# ... but a link the injector left down is a clean-up failure: that fails at once, never rerun
+@pytest.mark.flaky(reruns=1, reruns_delay=2, rerun_except="left down after stop")
 def test_real_fault_cuts_traffic_at_its_time(no_leftovers):
     """On a real fabric: a link-down fault at 0.3 s stops the link's counters within 20 ms."""
     topo = spec.loads(BASE + "faults: [{at: 0.3s, action: link-down, target: h2.r0, for: 0.3s}]\n")
@@ -166,7 +169,7 @@ def test_real_fault_cuts_traffic_at_its_time(no_leftovers):
         assert seen_down is not None
         assert seen_down - inj.t0 == pytest.approx(0.3, abs=0.02)
         assert inj.records[0].t_applied - inj.t0 == pytest.approx(0.3, abs=0.02)
-        assert link.host_end.is_up()
+        assert link.host_end.is_up(), "h2.r0 left down after stop"
 
 
 def test_explicit_link_up_ends_an_open_link_down():

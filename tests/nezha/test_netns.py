@@ -1,4 +1,6 @@
-"""Shaped-rail checks in scratch network namespaces (root; opt-in: NEZHA_NETNS_TESTS=1).
+"""Shaped-rail checks in scratch network namespaces. They run wherever root and network
+namespaces are available (CI runs as root); elsewhere tests/conftest.py skips them (the netns
+marker) with the reason shown in the summary. There is no opt-in variable.
 
 Hosts are namespaces ``nzt-*`` joined by one bridge per rail (see shaped.py), rails
 rate-limited with htb. Each test builds its own fabric and removes it.
@@ -13,11 +15,7 @@ import pytest
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 
-pytestmark = [
-    pytest.mark.netns, pytest.mark.slow,
-    pytest.mark.skipif(os.geteuid() != 0 or os.environ.get("NEZHA_NETNS_TESTS") != "1",
-                       reason="needs root and NEZHA_NETNS_TESTS=1"),
-]
+pytestmark = [pytest.mark.netns, pytest.mark.slow]
 
 from shaped import Fabric  # noqa: E402
 
@@ -59,6 +57,8 @@ def bench(fab, tmp_path, systems, sizes, extra=()):
     return json.load(open(tmp_path / "bench0.json"))
 
 
+@pytest.mark.timing            # a bus-bandwidth ratio and median latencies, nothing else
+@pytest.mark.flaky(reruns=1, reruns_delay=2)
 def test_two_equal_rails_nearly_double_single_rail(tmp_path):
     want = float(os.environ.get("NEZHA_SPEEDUP_MIN", "1.7"))
     with Fabric(2, [200, 200]) as fab:
