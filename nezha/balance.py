@@ -82,6 +82,7 @@ SHIFT = 1.5            # a rail's last operation this far off is a change, not n
 FALL_MAX = 4.0         # ...and a rail that got faster jumps to at most this many times cheaper
 RESHIFT_SAMPLES = 3    # operations at its new share before a rail that jumped slower may again
 FALL_SAMPLES = 6       # operations at one split before a rail can tell it got faster
+WORTH_SHARE = 0.5      # a rail's worth is remembered only from at least this x an equal share
 STEP_START = 0.5       # a table moves a rail's cost in use half way towards it at first,
 STEP_MAX = 1.0         # ...all the way while the rail keeps moving in one direction,
 STEP_MIN = 0.0625      # ...and 1/16 of the way once it turned back four times
@@ -269,7 +270,7 @@ class RailState:
         self.worth = [0.0] * nrails       # per rail: its cost before it last slowed (_shifts)
         self.fell = [False] * nrails      # per rail: its last jump was to a higher cost
         self.patience = MIN_SAMPLES       # samples a table needs to move a rail by a step
-        self.moved = False        # ...and it changed the model in use
+        self.moved = False        # the last table changed the model in use
         self.reason = "start"
 
     def _enter_cold(self, reason):
@@ -351,10 +352,14 @@ class RailState:
         damped steps move it. And no jump makes a rail more than FALL_MAX x cheaper (what it
         was worth may itself have been measured on a share too small to tell: the same
         rail's worth gave it 34 % and an operation of 2.2 s); what it was worth is kept until
-        it is back there. A rail that jumped slower jumps slower again only after
-        RESHIFT_SAMPLES operations at its new share (its first ones can look slower still:
-        on 3 x 3 rails a rail down to a quarter jumped to 5x, then 12x its cost)."""
+        it is back there, and is remembered only from a share of at least WORTH_SHARE x an
+        equal one (on 14 rails, 10 Mbit/s rails whose worth came from probing shares of 2 %
+        doubled their shares on it, and operations took 1.6 s instead of 1.1). A rail that
+        jumped slower jumps slower again only after RESHIFT_SAMPLES operations at its new
+        share (its first ones can look slower still: on 3 x 3 rails a rail down to a quarter
+        jumped to 5x, then 12x its cost)."""
         out = {}
+        shares = self.shares()
         for r in self.live:
             x, hi = self.used_b[r], rec.last_hi[r]
             if not _usable(hi):
@@ -372,7 +377,8 @@ class RailState:
                 last, rise = ((rec.last_lo[r], rec.rise_lo[r]) if slower_all
                               else (hi, rec.rise_hi[r]))
                 out[r] = max(c for c in (last, x * rise, x) if _usable(c))
-                self.worth[r] = self.worth[r] or x
+                if shares[r] >= WORTH_SHARE / len(self.live):
+                    self.worth[r] = self.worth[r] or x
                 self.fell[r] = True
                 way = 0
             elif self.worth[r] and (rec.fall_hi[r] <= 1 / SHIFT or (back and self.shift[r] < 0)):

@@ -385,3 +385,15 @@ def test_a_rail_back_near_what_it_was_worth_gets_it_back_after_two_tables():
     assert one_op(bal, [[1e-8, 1.3e-8]] * 3, counts=3) == []  # back? once is not enough
     assert one_op(bal, [[1e-8, 1.3e-8]] * 3, counts=4)[0][1]["shifted"] == [1]
     assert bal.rs.used_b[1] == pytest.approx(1e-8)
+
+
+def test_a_rail_on_a_tiny_share_has_no_worth_to_jump_back_to():
+    """What a rail on a share far below an equal one costs per byte is no measure of it: it
+    may slow down, but it does not jump back faster (damped steps move it)."""
+    bs = [1e-8, 1e-8, 1e-8, 2e-7]                               # rail 3: 1.6 % of a message
+    bal = Balancer(4, "nezha")
+    agreed(bal, bs, a=(1e-4,) * 4)
+    one_op(bal, [[1e-8, 1e-8, 1e-8, 8e-7]] * 3, fall=(np.nan,) * 4)   # every hop: jumps
+    assert bal.rs.used_b[3] == pytest.approx(8e-7)
+    one_op(bal, [[1e-8, 1e-8, 1e-8, 1e-7]] * 3, counts=6, fall=(1.0, 1.0, 1.0, 0.1))
+    assert bal.rs.used_b[3] == pytest.approx(8e-7)              # no jump back
