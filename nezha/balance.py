@@ -332,32 +332,29 @@ class RailState:
         """Rails whose last operation says they changed: {rail: new cost per byte}.
 
         Slower: the last operation cost SHIFT x the cost in use, or SHIFT x the median earlier
-        one at the same split. Every hop slower (the rail's rate dropped, another job
-        loads it) is followed at once; one hop (traffic between two hosts) must say so in two
-        tables in a row, so one stall never moves the split. The new cost is the slowest
-        hop's last cost or the cost in use times the rise, whichever is higher (a share too
-        small to tell can look cheap in absolute terms while it got slower: taking its last
-        cost made a 25 Mbit/s rail 57x cheaper), as in the agreement (every hop's least when all slowed: the slowest may also
-        carry a hedge copy's wait), and what the rail was worth before is remembered.
-        Faster: every hop's last two operations SHIFT x cheaper than the median earlier one at
-        the same split (RailEstimator.fall), or, for a rail that slowed, the slowest hop's last
-        cost within SHIFT x of what the rail was worth before, in two tables in a row (the
-        split may have moved in between: no comparison at one split). Only a comparison at one split tells this (a small
-        share looks cheaper than it is: a token bucket that refilled while the rail idled
-        passes it at once, while a thread wake-up weighs on it more), so the new cost is what
-        the rail was worth before it slowed: a rail back from a slowdown gets its whole share
-        back at once. A rail that never slowed is not trusted to jump faster (on 8 rails, a
-        25 Mbit/s rail's last two operations looked 1.5x cheaper than its earlier ones; the
-        jump gave it 58 % of a 16 MiB message, which then took 3.4 s instead of 0.37): the
-        damped steps move it. And no jump makes a rail more than FALL_MAX x cheaper (what it
-        was worth may itself have been measured on a share too small to tell: the same
-        rail's worth gave it 34 % and an operation of 2.2 s); what it was worth is kept until
-        it is back there, and is remembered only from a share of at least WORTH_SHARE x an
-        equal one (on 14 rails, 10 Mbit/s rails whose worth came from probing shares of 2 %
-        doubled their shares on it, and operations took 1.6 s instead of 1.1). A rail that
-        jumped slower jumps slower again only after RESHIFT_SAMPLES operations at its new
-        share (its first ones can look slower still: on 3 x 3 rails a rail down to a quarter
-        jumped to 5x, then 12x its cost)."""
+        one at the same split. Every hop slower (the rail's rate dropped, another job loads
+        it) is followed at once; one hop (traffic between two hosts) must say so in two
+        tables in a row, so one stall never moves the split. The new cost is the larger of
+        the last cost (every hop's least when all slowed: the slowest may also carry a hedge
+        copy's wait; else the slowest hop's, as in the agreement) and the cost in use times
+        the rise: a share too small to tell can look cheap in absolute terms while it got
+        slower (taking its last cost made a 25 Mbit/s rail 57x cheaper). A rail that jumped
+        slower jumps slower again only after RESHIFT_SAMPLES operations at its new share
+        (its first ones can look slower still: on 3 x 3 rails a rail down to a quarter jumped
+        to 5x, then 12x its cost). What it was worth before is remembered, but only from a
+        share of at least WORTH_SHARE x an equal one (on 14 rails, 10 Mbit/s rails whose
+        worth came from 2 % probing shares jumped back to twice their share).
+
+        Faster: only a rail that slowed, back to what it was worth (at most FALL_MAX x
+        cheaper in one jump; the worth is kept until it is reached), when every hop's last
+        two operations were SHIFT x cheaper than the median earlier one at the same split
+        (RailEstimator.fall), or when the slowest hop's last cost is within SHIFT x of the
+        worth in two tables in a row. A share's cost depends on its size (a token bucket
+        that refilled while the rail idled passes a small share at once), so a rail that
+        never slowed is not trusted to jump faster: on 8 rails a 25 Mbit/s rail's last two
+        operations looked 1.5x cheaper than its earlier ones, the jump gave it 58 % of a
+        16 MiB message, and that operation took 3.4 s instead of 0.37. Damped steps move it.
+        """
         out = {}
         shares = self.shares()
         for r in self.live:
