@@ -143,7 +143,8 @@ class Health:
             if eng.error is not None or eng.closing:
                 continue
             now = time.monotonic()
-            eng.hedge(now)
+            if eng.hedging:
+                eng.hedge(now)
             for (peer, rail), conn in list(eng.conns.items()):
                 if not conn.alive:
                     continue

@@ -27,6 +27,7 @@ class Engine(Receiving, Sending, Agreement, Failover, Hedging):
         self.timeout = config.timeout
         self.staging_limit = config.staging_limit
         self.debug_samples = config.debug_samples   # a b_sample event per rate sample
+        self.hedging = config.hedge                 # engine/hedge.py: off by default (wrong results)
         self.trace = config.trace                   # a tx/rx event per chunk
         self.conns: dict[tuple[int, int], object] = {}
         self.dead: set[tuple[int, int]] = set()
