@@ -2,6 +2,7 @@
 faults cut exactly one rail, and nothing outlives the fabric."""
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import time
 
@@ -127,12 +128,19 @@ def test_whole_rail_down_and_one_end_down(no_leftovers):
         assert not probes.reachable(fab, "h1", "h3", "r0")
 
 
-def test_runtime_rate_change_is_applied_and_read_back(no_leftovers):
+@contextlib.contextmanager
+def rate_changed(rate_bps: int = 50_000_000):
+    """Two hosts on one 200 Mbit/s rail; h1.r0 changed to ``rate_bps`` at runtime. Yields the
+    fabric, the link and (the moment before the change, the moment it says it applied)."""
     topo = spec.loads("hosts: 2\nrails: [{name: r0, bandwidth: 200mbit}]\n")
     with Fabric(topo) as fab:
         link = fab.links["h1.r0"]
         t0 = time.monotonic()
-        t_applied = link.update_shape(rate_bps=50_000_000)
+        yield fab, link, (t0, link.update_shape(rate_bps=rate_bps))
+
+
+def test_runtime_rate_change_is_applied_and_read_back(no_leftovers):
+    with rate_changed() as (fab, link, (t0, t_applied)):
         assert t0 <= t_applied <= time.monotonic()
         assert link.up_shaper.read_back().rate_bps == pytest.approx(50e6, rel=0.01)
         assert link.down_shaper.read_back().rate_bps == pytest.approx(50e6, rel=0.01)
@@ -141,11 +149,7 @@ def test_runtime_rate_change_is_applied_and_read_back(no_leftovers):
 @pytest.mark.timing            # a duration (< 50 ms) and a TCP rate measured over 2 s
 @pytest.mark.flaky(reruns=1, reruns_delay=2)
 def test_runtime_rate_change_is_fast_and_gives_the_rate(no_leftovers):
-    topo = spec.loads("hosts: 2\nrails: [{name: r0, bandwidth: 200mbit}]\n")
-    with Fabric(topo) as fab:
-        link = fab.links["h1.r0"]
-        t0 = time.monotonic()
-        t_applied = link.update_shape(rate_bps=50_000_000)
+    with rate_changed() as (fab, link, (t0, t_applied)):
         assert t_applied - t0 < 0.05
         assert_rate(probes.iperf3(fab, "h1", "h2", "r0", seconds=2), 50)
 

@@ -437,14 +437,22 @@ def compute(topo, scenario, samples: Optional[Samples],
                 "busbw_by_system": bw,
                 "nominal_mbps": {r: (v / 1e6 if v else None) for r, v in run.nominal.items()},
                 "counts": counts, "sampler": _sampler_detail(samples)}
-    rates = _rates(samples, t0)
+    _timeline_metrics(run, m, samples, events, faults, flows, windows)
+    return m
+
+
+def _timeline_metrics(run: _Run, m: Metrics, samples: Optional[Samples], events: Sequence[dict],
+                      faults: Sequence[FaultRecord], flows: Sequence[FlowRecord],
+                      windows: Sequence[Span]) -> None:
+    """The metrics read off the run's timeline: rail shares (kernel samples), the per-fault
+    times and adaptation_ms, and the competing flows' detail."""
+    rates = _rates(samples, run.t0)
     if rates is not None and len(rates):
         _rail_shares(run, m, rates, windows, faults, flows)
     else:
         m.notes["rail_share"] = "no kernel samples"
-    _fault_metrics(m, analyse_faults(faults, events, run.rails, table, t0, rates, windows,
-                                     run.floor_bps))
+    _fault_metrics(m, analyse_faults(faults, events, run.rails, run.table, run.t0, rates,
+                                     windows, run.floor_bps))
     _adaptation(run, m, events, faults, flows, windows)
     if flows:
-        m.detail["flows"] = flows_detail(flows, t0)
-    return m
+        m.detail["flows"] = flows_detail(flows, run.t0)
