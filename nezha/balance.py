@@ -19,38 +19,55 @@ Estimates:
     ACK (minus s*b_r), minimum of the last samples (queueing only ever inflates a sample).
     Until measured it is ``A_NOMINAL``.
 
-Agreement (why all ranks split identically): every rank's local table ``[a, b, n]`` per rail
-is exchanged with a tiny allgather (collective kind CONTROL) at deterministic points (see
-``want_exchange``: it depends only on the agreed state, the op count and the message size,
-which every rank shares). Each rank then computes the same agreed a_r (median over ranks) and
-b_r: the *largest* over the ranks, because a ring moves at its slowest hop and every rank
-measures the hop into it (one slow attachment slows the whole rail). Each rank runs the same
-state machine on the same numbers, so split decisions are identical everywhere. (The
-receiver does not need the split for correctness: frames carry their offsets; identical
-splits keep the ring's links evenly loaded.)
+Agreement (why all ranks split identically): every rank's local table per rail (a, b, the
+sample count, and what its last operation cost: ``last``, ``rise``, ``fall``, see
+RailEstimator) is exchanged with a tiny allgather (collective kind CONTROL) at deterministic
+points (``want_exchange``: it depends only on the agreed state and the sizes of the ops since
+the last exchange, which every rank shares). Each rank then computes the same agreed a_r
+(median over ranks) and b_r: the *largest* over the ranks, because a ring moves at its
+slowest hop and every rank measures the hop into it (one slow attachment slows the whole
+rail). Each rank runs the same state machine on the same numbers, so split decisions are
+identical everywhere. (The receiver does not need the split for correctness: frames carry
+their offsets; identical splits keep the ring's links evenly loaded.)
 
 Exchange schedule (``want_exchange``): in COLD before every op of >= EXCH_MIN_BYTES (the
-estimates take MIN_SAMPLES such ops); in HOT MIN_SAMPLES such ops after the model last moved
-(every rank then restarts its windows, so the next table measures the new split), doubling
-up to HOT_INTERVAL while it holds; in any state at least every 64 (COLD) / 128 (HOT) ops.
+estimates take MIN_SAMPLES such ops); in HOT once the ops since the last exchange should
+have taken EXCH_PERIOD_S at the agreed rates: before every op when ops are long (a 8 MiB
+allreduce on 2 x 200 Mbit/s: ~230 ms), every ~20 ops of 1 MiB at 1 Gbit/s; in any state at
+least every 64 (COLD) / 128 (HOT) ops. An exchange costs one small allgather (under a
+millisecond on 3 hosts), so a change is seen one operation after it happens.
 
 Cold/hot state machine for the current set of live rails::
 
     COLD --(an agreed estimate for every live rail)--> HOT
-    HOT  --(the rail set changes)--> COLD
+    HOT  --(a rail leaves, or one comes back that was measured before)--> HOT
+    HOT  --(a rail joins that was never measured)--> COLD
 
 COLD split: messages < COLD_SMALL bytes ride the single best rail (lowest agreed a), larger
 ones are split in equal shares. HOT split: the cost model above; messages below MIN_SPLIT
 bytes ride the best rail, and a rail is added only if it saves more than PER_RAIL_OVERHEAD
-seconds (CPU cost of driving one more rail). In HOT each agreed table moves every rail's cost
-in use part of the way towards it (a damped iteration with a step per rail, see
-RailState.observe), and only when that changes the shares of a 16 MiB message by more than
-HYSTERESIS.
+seconds (CPU cost of driving one more rail). In HOT each agreed table
+
+  * makes a rail whose last operation shows a change jump to its new cost (RailState._shifts):
+    slower on every hop at once, on one hop twice in a row, faster (compared at the same
+    split) back to what it was worth before it slowed; and
+  * moves every other rail's cost in use part of the way towards its estimate (a damped
+    iteration with a step per rail, RailState._steps) once the estimates span ``patience``
+    operations (doubled by every turn back, so noise does not make the split hover),
+
+and only when that changes the shares of a 16 MiB message by more than HYSTERESIS.
+
+Measured (3 hosts x 2 rails of 200 Mbit/s, 8 MiB allreduce, r1 down to 50 Mbit/s for 5 s,
+topologies/slowing-rail.yaml): the split follows one operation after the drop and after the
+return (adaptation_ms 654, before this schedule 3502); iterations during the slowdown 1.07x
+the ideal for the 250 Mbit/s left (MPTCP: 2.7x); on steady 300 + 100 Mbit/s rails the split
+moved 3 times in the first 1.1 s and never again in 24 s.
 """
 from __future__ import annotations
 
 import math
 from collections import deque
+from typing import NamedTuple
 
 import numpy as np
 
@@ -60,7 +77,12 @@ A_NOMINAL = 100e-6
 WINDOW = 8             # cost samples (operations) per rail estimate
 MIN_BUSY_S = 0.02      # busy time an estimate must span (the kernel counts in 1-4 ms ticks)
 MIN_SAMPLES = 2
-HOT_INTERVAL = 16      # most ops between two exchanges in HOT while the split holds
+EXCH_PERIOD_S = 0.1    # in HOT, exchange once the ops since the last one should have taken this
+SHIFT = 1.5            # a rail's last operation this far off is a change, not noise (_shifts)
+FALL_MAX = 4.0         # ...and a rail that got faster jumps to at most this many times cheaper
+RESHIFT_SAMPLES = 3    # operations at its new share before a rail that jumped slower may again
+FALL_SAMPLES = 6       # operations at one split before a rail can tell it got faster
+WORTH_SHARE = 0.5      # a rail's worth is remembered only from at least this x an equal share
 STEP_START = 0.5       # a table moves a rail's cost in use half way towards it at first,
 STEP_MAX = 1.0         # ...all the way while the rail keeps moving in one direction,
 STEP_MIN = 0.0625      # ...and 1/16 of the way once it turned back four times
@@ -72,6 +94,7 @@ MIN_SPLIT = 32 << 10
 PER_RAIL_OVERHEAD = 50e-6
 EXCH_MIN_BYTES = 128 << 10
 REF_SIZE = 16 << 20
+TABLE_COLUMNS = 6      # a rank's table per rail: a, b, samples, last, rise, fall (RailEstimator)
 
 
 def cost_split(nbytes: int, a, b, elem: int = 1, overhead: float = 0.0) -> list[int]:
@@ -122,6 +145,11 @@ def cost_split(nbytes: int, a, b, elem: int = 1, overhead: float = 0.0) -> list[
     return out
 
 
+def _usable(x) -> bool:
+    """A cost per byte that can be used: a finite positive number."""
+    return x is not None and x > 0 and not math.isinf(x)
+
+
 def equal_split(nbytes: int, rails, nrails: int, elem: int = 1) -> list[int]:
     out = [0] * nrails
     rails = list(rails)
@@ -158,20 +186,70 @@ class RailEstimator:
         if nbytes >= 0 and seconds > 0 and nbytes + seconds > 0:
             self.b_window.append((nbytes, seconds))
 
+    @staticmethod
+    def _per_byte(samples) -> float:
+        n = sum(n for n, _ in samples)
+        t = sum(s for _, s in samples)
+        return t / n if n > 0 else 1.0    # delivered nothing: as costly as a rail can be
+
     @property
     def b(self) -> float:
         """Seconds per byte: total busy time / total bytes over the window; nan until the
         window holds MIN_SAMPLES samples spanning MIN_BUSY_S."""
         if len(self.b_window) < MIN_SAMPLES:
             return float("nan")
-        t = sum(s for _, s in self.b_window)
-        if t < MIN_BUSY_S:
+        if sum(s for _, s in self.b_window) < MIN_BUSY_S:
             return float("nan")
-        n = sum(n for n, _ in self.b_window)
-        return t / n if n > 0 else 1.0    # delivered nothing: as costly as a rail can be
+        return self._per_byte(self.b_window)
+
+    @property
+    def last(self) -> float:
+        """Seconds per byte of the last operation alone (nan if none since the last reset)."""
+        if not self.b_window:
+            return float("nan")
+        return self._per_byte([self.b_window[-1]])
+
+    def _costs(self) -> list:
+        return [self._per_byte([x]) for x in self.b_window]
+
+    @property
+    def rise(self) -> float:
+        """The last operation's cost over the median earlier one in the window, i.e. at the
+        same split (the window restarts when the split moves); nan before two samples."""
+        costs = self._costs()
+        if len(costs) < 2:
+            return float("nan")
+        return costs[-1] / float(np.median(costs[:-1]))
+
+    @property
+    def fall(self) -> float:
+        """The costlier of the last two operations over the median earlier one at the same
+        split, leaving out the first operation after the move (nan before FALL_SAMPLES): < 1
+        only if the rail got faster for two operations in a row. A share's cost depends on
+        its size (a token bucket passes a small share at once), so only a comparison at one
+        split tells a rail that got faster. The first operations after a move wait behind
+        what the previous split left in the rail's socket buffers (a slowed rail's hedged
+        bytes still drain at its new rate): compared with them, a rail that had just slowed
+        looked as if it had recovered, three times in 5 s."""
+        costs = self._costs()
+        if len(costs) < FALL_SAMPLES:
+            return float("nan")
+        return max(costs[-2:]) / float(np.median(costs[1:-2]))
 
     def reset(self):
         self.b_window.clear()
+
+
+class Recent(NamedTuple):
+    """What the ranks' last operations say, per rail, over the ranks that sent on it (nan
+    where some of them cannot tell): the least and largest last cost per byte, the least
+    and largest ``rise`` and the largest ``fall`` (RailEstimator)."""
+    last_lo: list
+    last_hi: list
+    rise_lo: list
+    rise_hi: list
+    fall_hi: list
+    samples: list         # per rail: the fewest samples any rank that sent on it has
 
 
 class RailState:
@@ -188,8 +266,11 @@ class RailState:
         self.step = [STEP_START] * nrails  # per rail: how far a table moves its cost (damping)
         self.trend = [0] * nrails         # per rail: direction of its last move (+1 / -1)
         self.silent = [0] * nrails        # per rail: tables in a row without news of it
-        self.enough = False       # the last table had an estimate for every live rail
-        self.moved = False        # ...and it changed the model in use
+        self.shift = [0] * nrails         # per rail: the last table's sign of change (_shifts)
+        self.worth = [0.0] * nrails       # per rail: its cost before it last slowed (_shifts)
+        self.fell = [False] * nrails      # per rail: its last jump was to a higher cost
+        self.patience = MIN_SAMPLES       # samples a table needs to move a rail by a step
+        self.moved = False        # the last table changed the model in use
         self.reason = "start"
 
     def _enter_cold(self, reason):
@@ -198,17 +279,28 @@ class RailState:
         self.used_a = self.used_b = None
         self.step = [STEP_START] * self.nrails
         self.trend = [0] * self.nrails
+        self.worth = [0.0] * self.nrails
+        self.fell = [False] * self.nrails
         self.reason = reason
         return [("state", {"state": COLD, "reason": reason})] if changed else []
 
     def set_live(self, live) -> list:
+        """A change of the rail set. A rail that leaves is simply not used; one that comes
+        back is worth what it was worth before it left, so HOT goes on with the remembered
+        costs and a rail back from a failure gets its share at the next operation (the next
+        tables correct it if it came back different). Only a rail never measured sends the
+        state back to COLD (equal shares until it is)."""
         live = tuple(sorted(live))
         if live == self.live:
             return []
         self.live = live
+        if self.state == HOT and all(_usable(self.used_b[r]) for r in live):
+            self.reason = "rail set changed"
+            self.patience = MIN_SAMPLES
+            return [("weights", self.weights_fields())]
         return self._enter_cold("rail set changed")
 
-    def observe(self, a, b, counts) -> list:
+    def observe(self, a, b, counts, recent: "Recent | None" = None) -> list:
         """Feed one agreed table. Returns a list of (event, fields) for the log.
 
         News of a rail is an estimate from every rank that sent on it. A rail without news
@@ -216,26 +308,88 @@ class RailState:
         and does not hold the others back. COLD switches to HOT on the first table with news
         of every live rail, or after PROBE_AFTER tables without news of some rail (one whose
         shares are always rescued by hedge copies never reports), which then starts from a
-        probing share. In HOT each table moves the costs in use (``_damped_move``)."""
+        probing share. In HOT a rail whose last operation shows a change (``_shifts``) jumps
+        to its new cost; the others move by a damped step (``_damped_move``) once their
+        estimates span ``patience`` operations."""
         self.a = list(a)
         self.moved = False
         live = self.live
-        news = [r for r in live if counts[r] >= MIN_SAMPLES and b[r] > 0]
+        usable = [r for r in live if counts[r] >= MIN_SAMPLES and b[r] > 0]
         for r in live:
-            self.silent[r] = 0 if r in news else self.silent[r] + 1
+            self.silent[r] = 0 if r in usable else self.silent[r] + 1
         self.b = [y if y > 0 else x for x, y in zip(self.b, b)]
-        self.enough = bool(news)
-        if self.state == COLD and len(news) < len(live):
-            self.enough = self.enough and max(self.silent[r] for r in live) >= PROBE_AFTER
-        if not self.enough:
-            return []
         if self.state == COLD:
-            return self._enter_hot(a, b, news)
-        return self._damped_move(a, b, news)
+            enough = len(usable) == len(live) or (
+                bool(usable) and max(self.silent[r] for r in live) >= PROBE_AFTER)
+            return self._enter_hot(a, b, usable) if enough else []
+        jumps = self._shifts(recent) if recent is not None else {}
+        news = [r for r in usable if counts[r] >= self.patience]
+        if not news and not jumps:
+            return []
+        return self._damped_move(a, b, news, jumps)
+
+    def _shifts(self, rec: "Recent") -> dict:
+        """Rails whose last operation says they changed: {rail: new cost per byte}.
+
+        Slower: the last operation cost SHIFT x the cost in use, or SHIFT x the median earlier
+        one at the same split. Every hop slower (the rail's rate dropped, another job loads
+        it) is followed at once; one hop (traffic between two hosts) must say so in two
+        tables in a row, so one stall never moves the split. The new cost is the larger of
+        the last cost (every hop's least when all slowed: the slowest may also carry a hedge
+        copy's wait; else the slowest hop's, as in the agreement) and the cost in use times
+        the rise: a share too small to tell can look cheap in absolute terms while it got
+        slower (taking its last cost made a 25 Mbit/s rail 57x cheaper). A rail that jumped
+        slower jumps slower again only after RESHIFT_SAMPLES operations at its new share
+        (its first ones can look slower still: on 3 x 3 rails a rail down to a quarter jumped
+        to 5x, then 12x its cost). What it was worth before is remembered, but only from a
+        share of at least WORTH_SHARE x an equal one (on 14 rails, 10 Mbit/s rails whose
+        worth came from 2 % probing shares jumped back to twice their share).
+
+        Faster: only a rail that slowed, back to what it was worth (at most FALL_MAX x
+        cheaper in one jump; the worth is kept until it is reached), when every hop's last
+        two operations were SHIFT x cheaper than the median earlier one at the same split
+        (RailEstimator.fall), or when the slowest hop's last cost is within SHIFT x of the
+        worth in two tables in a row. A share's cost depends on its size (a token bucket
+        that refilled while the rail idled passes a small share at once), so a rail that
+        never slowed is not trusted to jump faster: on 8 rails a 25 Mbit/s rail's last two
+        operations looked 1.5x cheaper than its earlier ones, the jump gave it 58 % of a
+        16 MiB message, and that operation took 3.4 s instead of 0.37. Damped steps move it.
+        """
+        out = {}
+        shares = self.shares()
+        for r in self.live:
+            x, hi = self.used_b[r], rec.last_hi[r]
+            if not _usable(hi):
+                self.shift[r] = 0
+                continue
+            slower_all = rec.last_lo[r] >= SHIFT * x or rec.rise_lo[r] >= SHIFT
+            slower = hi >= SHIFT * x or rec.rise_hi[r] >= SHIFT
+            if self.fell[r] and rec.samples[r] < RESHIFT_SAMPLES:
+                slower = slower_all = False      # it just jumped slower: let its share tell
+            back = self.worth[r] and hi <= SHIFT * self.worth[r]
+            way = 1 if slower else (-1 if back else 0)
+            if slower_all or (slower and self.shift[r] > 0):
+                # every hop at least this slow (the slowest may also carry a hedge's cost);
+                # a rise at the same split scales the cost in use, whatever the share's size
+                last, rise = ((rec.last_lo[r], rec.rise_lo[r]) if slower_all
+                              else (hi, rec.rise_hi[r]))
+                out[r] = max(c for c in (last, x * rise, x) if _usable(c))
+                if shares[r] >= WORTH_SHARE / len(self.live):
+                    self.worth[r] = self.worth[r] or x
+                self.fell[r] = True
+                way = 0
+            elif self.worth[r] and (rec.fall_hi[r] <= 1 / SHIFT or (back and self.shift[r] < 0)):
+                out[r] = max(self.worth[r], x / FALL_MAX)
+                way = 0
+                self.worth[r] = 0.0 if out[r] == self.worth[r] else self.worth[r]
+                self.fell[r] = False
+            self.shift[r] = way
+        return out
 
     def _enter_hot(self, a, b, news) -> list:
         best = min(b[r] for r in news)
         self.state = HOT
+        self.patience = MIN_SAMPLES
         self.used_a = list(a)
         self.used_b = [b[r] if r in news or r not in self.live else PROBE_RATIO * best
                        for r in range(self.nrails)]
@@ -244,21 +398,22 @@ class RailState:
         return [("state", {"state": HOT, "reason": self.reason}),
                 ("weights", self.weights_fields())]
 
-    def _damped_move(self, a, b, news) -> list:
-        """Move each live rail's cost in use part of the way towards the table, and only if
-        that moves some share of a 16 MiB message by more than HYSTERESIS. A share's cost
-        depends on its size (a token bucket that refills while a rail idles passes a small
-        share at once, a large one at the rate), so the split is found by a damped
-        iteration: each rail moves by its own step (STEP_START at first), halved whenever it
-        turns back (down to STEP_MIN: a rail flapping between two shares settles between
-        them) and grown x1.5 while it keeps one direction (up to STEP_MAX: a rail that really
-        changed is followed at once). A rail without news for PROBE_AFTER tables is assumed
-        no worse than PROBE_RATIO x the best rail, so it gets a small share and is measured
+    def _damped_move(self, a, b, news, jumps=None) -> list:
+        """Move each live rail's cost in use part of the way towards the table (a rail in
+        ``jumps`` all the way to its new cost), and only if that moves some share of a 16 MiB
+        message by more than HYSTERESIS. A share's cost depends on its size (a token bucket
+        that refills while a rail idles passes a small share at once, a large one at the
+        rate; a small share pays a thread wake-up), so the split is found by a damped
+        iteration (``_steps``). A rail without news for PROBE_AFTER tables is assumed no
+        worse than PROBE_RATIO x the best rail, so it gets a small share and is measured
         again (the next table puts it back if it really is bad)."""
-        live = self.live
+        live, jumps = self.live, jumps or {}
+        step, trend, turned = self._steps(b, news, jumps)
         sa = [(x + y) / 2 for x, y in zip(self.used_a, a)]
-        sb = [x + self.step[r] * ((b[r] if r in news else x) - x) if r in live else self.b[r]
+        sb = [x + step[r] * ((b[r] if r in news else x) - x) if r in live else self.b[r]
               for r, x in enumerate(self.used_b)]
+        for r, cost in jumps.items():
+            sb[r] = cost
         best = min(sb[r] for r in live)
         for r in live:
             if self.silent[r] >= PROBE_AFTER and sb[r] > PROBE_RATIO * best:
@@ -268,22 +423,56 @@ class RailState:
         new = self._model_shares(REF_SIZE, sa, sb)
         if max(abs(x - y) for x, y in zip(old, new)) <= HYSTERESIS:
             return []
-        for r in live:
-            way = (sb[r] > self.used_b[r]) - (sb[r] < self.used_b[r])
-            if way and self.trend[r] and way != self.trend[r]:
-                self.step[r] = max(STEP_MIN, self.step[r] / 2)
-            elif way and way == self.trend[r]:
-                self.step[r] = min(STEP_MAX, self.step[r] * 1.5)
-            self.trend[r] = way or self.trend[r]
+        self.step, self.trend = step, trend
+        if jumps:
+            self.patience = MIN_SAMPLES
+        elif turned:
+            self.patience = min(WINDOW, self.patience * 2)
         self.used_a, self.used_b = sa, sb
         self.moved = True
-        return [("weights", self.weights_fields())]
+        fields = self.weights_fields()
+        if jumps:
+            fields["shifted"] = sorted(jumps)
+        return [("weights", fields)]
+
+    def _steps(self, b, news, jumps) -> tuple[list, list, bool]:
+        """Per rail, how far this table moves its cost: the step is halved when the rail
+        turns back (down to STEP_MIN: a rail flapping between two shares settles between
+        them) and grown x1.5 while it keeps one direction (up to STEP_MAX). A rail that
+        jumped starts afresh at STEP_START in no direction (a jump's first measurement tends
+        to overshoot: the drop itself stalls the rail, so its correction is not a turn
+        back). Also returns whether some rail turned back: a turn back doubles the samples
+        the next step needs (noise is what makes a split hover around its optimum; averaging
+        it out stops that)."""
+        step, trend, turned = list(self.step), list(self.trend), False
+        for r in self.live:
+            x = self.used_b[r]
+            if r in jumps:
+                step[r], trend[r] = STEP_START, 0
+                continue
+            if r not in news:
+                continue
+            way = (b[r] > x) - (b[r] < x)
+            if way and trend[r] and way != trend[r]:
+                step[r] = max(STEP_MIN, step[r] / 2)
+                turned = True
+            elif way and way == trend[r]:
+                step[r] = min(STEP_MAX, step[r] * 1.5)
+            trend[r] = way or trend[r]
+        return step, trend, turned
 
     def _model_shares(self, nbytes, a, b):
         aa = [a[r] if r in self.live else 0.0 for r in range(self.nrails)]
         bb = [b[r] if r in self.live else float("nan") for r in range(self.nrails)]
         s = cost_split(nbytes, aa, bb, 1, 0.0)
         return [x / nbytes for x in s]
+
+    def predict(self, nbytes: int) -> float:
+        """Seconds ``nbytes`` should take on the rails in use (0 until HOT): what spaces the
+        exchanges in time, identically on every rank."""
+        if self.state != HOT:
+            return 0.0
+        return nbytes / sum(1.0 / self.used_b[r] for r in self.live)
 
     def shares(self, nbytes=REF_SIZE):
         if self.state == HOT:
@@ -313,9 +502,7 @@ class Balancer:
         self.est = [RailEstimator() for _ in range(nrails)]
         self.rs = RailState(nrails)
         self.ops_since_exchange = 0
-        # in HOT, exchange MIN_SAMPLES ops after the model moved (the estimates are then
-        # fresh samples of the new split), backing off x2 up to HOT_INTERVAL while it holds
-        self.hot_interval = MIN_SAMPLES
+        self.pending_s = 0.0     # what the ops since the last exchange should have taken
 
     # ---- measurements (called from transport threads)
     def record_a(self, rail, seconds):
@@ -326,60 +513,74 @@ class Balancer:
 
     # ---- agreement
     def local_table(self) -> np.ndarray:
-        t = np.zeros((self.nrails, 3), dtype=np.float64)
+        """This rank's [a, b, samples, last, rise, fall] per rail (see RailEstimator)."""
+        t = np.zeros((self.nrails, TABLE_COLUMNS), dtype=np.float64)
         for r, e in enumerate(self.est):
-            t[r] = (e.a if e.a_samples else float("nan"), e.b, len(e.b_window))
+            t[r] = (e.a if e.a_samples else float("nan"), e.b, len(e.b_window), e.last,
+                    e.rise, e.fall)
         return t
 
     def want_exchange(self, nbytes: int) -> bool:
+        """COLD: before every op of >= EXCH_MIN_BYTES. HOT: once the ops since the last
+        exchange should have taken EXCH_PERIOD_S at the agreed rates (every op when ops are
+        long, so a change is seen after one; a few % of the time when they are short)."""
         if self.mode != "nezha" or self.nrails < 2:
             return False
         k = self.ops_since_exchange
         if self.rs.state == COLD:
             return (k >= 1 and nbytes >= EXCH_MIN_BYTES) or k >= 64
-        return (k >= self.hot_interval and nbytes >= EXCH_MIN_BYTES) or k >= 128
+        due = self.pending_s >= EXCH_PERIOD_S
+        return (k >= 1 and due and nbytes >= EXCH_MIN_BYTES) or k >= 128
 
     def agree(self, tables: np.ndarray) -> list:
-        """tables: (world, nrails, 3) gathered local tables. Same result on every rank.
+        """tables: (world, nrails, TABLE_COLUMNS) gathered local tables. Same result on every
+        rank.
 
         b_r is the largest estimate among the ranks that sent on rail r (a ring runs at its
-        slowest hop), and exists only once every one of them has one."""
+        slowest hop), and exists only once every one of them has one; so do the least and
+        the largest last-operation costs that tell a change (RailState._shifts)."""
         self.ops_since_exchange = 0
+        self.pending_s = 0.0
         a, b, counts = [], [], []
+        recent = Recent([], [], [], [], [], counts)
         for r in range(self.nrails):
             col = tables[:, r, :]
             As = col[:, 0][~np.isnan(col[:, 0])]
             a.append(float(np.median(As)) if len(As) else float("nan"))
             sent = col[col[:, 2] > 0]
-            bs = sent[:, 1]
-            ok = len(bs) > 0 and not np.isnan(bs).any()
-            b.append(float(bs.max()) if ok else float("nan"))
             counts.append(int(sent[:, 2].min()) if len(sent) else 0)
+            for values, column, pick in ((b, 1, np.max), (recent.last_lo, 3, np.min),
+                                         (recent.last_hi, 3, np.max), (recent.rise_lo, 4, np.min),
+                                         (recent.rise_hi, 4, np.max), (recent.fall_hi, 5, np.max)):
+                x = sent[:, column]
+                values.append(float(pick(x)) if len(x) and not np.isnan(x).any() else float("nan"))
         # a rail never used for a small message has no start-up estimate: assume the best
         # measured one (the rails differ in rate far more than in start-up), else nominal
         known = [x for x in a if not math.isnan(x)]
         fill = min(known) if known else A_NOMINAL
         a = [fill if math.isnan(x) else x for x in a]
-        evs = self.rs.observe(a, b, counts)
+        evs = self.rs.observe(a, b, counts, recent)
         if self.rs.moved:
             # the samples so far describe the old split: measure the new one afresh
-            self.hot_interval = MIN_SAMPLES
-            for e in self.est:
-                e.reset()
-        elif self.rs.enough:
-            self.hot_interval = min(HOT_INTERVAL, self.hot_interval * 2)
+            self._restart_windows()
         return evs
 
-    def note_op(self):
+    def note_op(self, nbytes: int = 0):
+        """One collective of ``nbytes`` done (called by the Context, identically on every
+        rank)."""
         self.ops_since_exchange += 1
+        self.pending_s += self.rs.predict(nbytes)
 
     def set_live(self, live) -> list:
         evs = self.rs.set_live(live)
         if evs:
-            self.hot_interval = MIN_SAMPLES
-            for e in self.est:
-                e.reset()
+            self._restart_windows()
         return evs
+
+    def _restart_windows(self) -> None:
+        for e in self.est:
+            e.reset()
+        self.rs.shift = [0] * self.nrails
 
     # ---- the split
     def split(self, nbytes: int, elem: int, live=None) -> list[tuple[int, int, int]]:

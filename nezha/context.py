@@ -150,6 +150,7 @@ class Context:
                 fn(collectives.Call(eng, op_id, self._config.pipe_block))
             finally:
                 eng.end_op(op_id)
+            self.balancer.note_op(nbytes)
             if metered:
                 self._record_costs(op_id)
             if self.events.log_ops:

@@ -10,7 +10,8 @@ Event names and their fields (``rail`` is the rail index, ``peer`` a rank):
   connected       peers, rails
   link_monitor    ok, rails {ifindex: rail} | error     (netlink link-event watcher)
   state           state "cold"|"hot", reason, [live]     (agreed balancing state)
-  weights         shares [per rail, for a 16 MiB message], state, a [s], b [s/byte]
+  weights         shares [per rail, for a 16 MiB message], state, a [s], b [s/byte],
+                  [shifted: rails whose last operation showed a change, balance._shifts]
   rail_check      peer, rail, stalled_ms, window_ms, tcp {rto_ms, rtt_ms, cwnd, ...}
                                                          (watchdog: asks the peer if bytes arrive)
   rail_alive      peer, rail, bytes, waited_ms           (the peer said yes: slow, not dead)

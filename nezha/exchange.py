@@ -1,5 +1,5 @@
 """The estimate exchange: at the points balance.want_exchange picks (the same on every
-rank), every rank's per-rail table [a, b, n, live] goes round a tiny ring allgather
+rank), every rank's per-rail table [a, b, n, last, live] goes round a tiny ring allgather
 (collective kind CONTROL), and each rank feeds the same gathered tables to its balancer, so
 all ranks agree on the live rails, the state and the split (see balance.py)."""
 from __future__ import annotations
@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import collectives, wire
+from .balance import TABLE_COLUMNS
 
 
 def maybe_exchange(eng, balancer, events, nbytes: int) -> None:
@@ -29,12 +30,13 @@ def maybe_exchange(eng, balancer, events, nbytes: int) -> None:
                                    kind=wire.K_CONTROL)
     finally:
         eng.end_op(op_id)
-    tables = out.reshape(world, nrails, 4)
+    cols = TABLE_COLUMNS + 1
+    tables = out.reshape(world, nrails, cols)
     evs = []
-    agreed_live = [r for r in range(nrails) if tables[:, r, 3].min() > 0]
+    agreed_live = [r for r in range(nrails) if tables[:, r, TABLE_COLUMNS].min() > 0]
     if agreed_live:
         evs += balancer.set_live(agreed_live)
-    evs += balancer.agree(tables[:, :, :3])
+    evs += balancer.agree(tables[:, :, :TABLE_COLUMNS])
     for name, fields in evs:
         if name == "state":
             events.state = fields["state"]

@@ -90,7 +90,6 @@ class Engine(Receiving, Sending, Agreement, Failover, Hedging):
                 for _, buf, *_ in self.staged.pop(k):
                     self.staged_bytes -= len(buf)
             self.done_op = op_id
-        self.balancer.note_op()
 
     # ------------------------------------------------------------------ waiting
     def wait(self, pred, what: str, peers=(), deadline=None):

@@ -78,10 +78,32 @@ def test_split_plan_covers_the_message_contiguously():
     assert Balancer(2, "nezha").split(0, 4) == [(0, 0, 0)]
 
 
-def agreed(bal, bs, counts=5, a=(1e-4, 1e-4), world=3):
-    t = np.zeros((world, len(bs), 3))
+def agreed(bal, bs, counts=5, a=(1e-4, 1e-4), world=3, last=None):
+    """Every rank reports the same table: estimates ``bs`` from ``counts`` samples, and
+    ``last`` as the last operation's cost per rail (unknown unless given)."""
+    t = np.full((world, len(bs), balance.TABLE_COLUMNS), np.nan)
     for r, b in enumerate(bs):
-        t[:, r] = (a[r], b, counts)
+        t[:, r, :3] = (a[r], b, counts)
+        if last is not None:
+            t[:, r, 3] = last[r]
+    return bal.agree(t)
+
+
+def hot(bs):
+    bal = Balancer(len(bs), "nezha")
+    agreed(bal, bs, a=(1e-4,) * len(bs))
+    assert bal.rs.state == "hot"
+    return bal
+
+
+def one_op(bal, lasts, world=3, counts=1, fall=(np.nan, np.nan)):
+    """A table after ``counts`` operations at the same split: ``lasts[rank][rail]`` is the
+    last one's cost per byte, ``fall[rail]`` its ratio to the cheapest earlier one and its
+    ratio to the costliest earlier one is 1 (RailEstimator), on every rank."""
+    t = np.full((world, len(lasts[0]), balance.TABLE_COLUMNS), np.nan)
+    for p in range(world):
+        for r, x in enumerate(lasts[p]):
+            t[p, r] = (1e-4, np.nan, counts, x, 1.0 if counts > 1 else np.nan, fall[r])
     return bal.agree(t)
 
 
@@ -105,10 +127,10 @@ def test_not_enough_samples_stays_cold():
         agreed(bal, [1e-8, 1e-8], counts=1)
     assert bal.rs.state == "cold"
     bal = Balancer(2, "nezha")
-    t = np.zeros((3, 2, 3))
-    t[:, 0] = (1e-4, 1e-8, 5)
-    t[:, 1] = (1e-4, 1e-8, 5)
-    t[2, 1] = (1e-4, np.nan, 5)          # one rank sent on rail 1 but has no estimate yet
+    t = np.full((3, 2, balance.TABLE_COLUMNS), np.nan)
+    t[:, 0, :3] = (1e-4, 1e-8, 5)
+    t[:, 1, :3] = (1e-4, 1e-8, 5)
+    t[2, 1, :3] = (1e-4, np.nan, 5)          # one rank sent on rail 1 but has no estimate yet
     bal.agree(t)
     assert bal.rs.state == "cold"
 
@@ -117,11 +139,11 @@ def test_a_ring_rail_costs_what_its_slowest_hop_costs():
     """Every rank measures the hop into it; a ring moves at its slowest hop, so the agreed
     cost is the largest, not the median (one slow attachment slows the whole rail)."""
     bal = Balancer(2, "nezha")
-    t = np.zeros((4, 2, 3))
-    t[:, 0] = (1e-4, 1e-8, 5)
-    t[:, 1] = (1e-4, 2e-8, 5)
-    t[3, 0] = (1e-4, 5e-8, 5)            # rank 3's link to rail 0 is 5x slower
-    t[1, 1] = (1e-4, np.nan, 0)          # rank 1 sent nothing on rail 1: not asked
+    t = np.full((4, 2, balance.TABLE_COLUMNS), np.nan)
+    t[:, 0, :3] = (1e-4, 1e-8, 5)
+    t[:, 1, :3] = (1e-4, 2e-8, 5)
+    t[3, 0, :3] = (1e-4, 5e-8, 5)            # rank 3's link to rail 0 is 5x slower
+    t[1, 1, :3] = (1e-4, np.nan, 0)          # rank 1 sent nothing on rail 1: not asked
     bal.agree(t)
     assert bal.rs.b == [5e-8, 2e-8]
     assert bal.rs.shares()[0] == pytest.approx(2 / 7, abs=1e-3)
@@ -146,27 +168,114 @@ def test_hot_moves_half_way_with_hysteresis_and_never_falls_back_to_equal_shares
     assert bal.rs.state == "hot" and bal.rs.b[0] == pytest.approx(4e-8)
 
 
-def test_rail_set_change_restarts_cold():
-    bal = Balancer(2, "nezha")
-    agreed(bal, [1e-8, 1e-8])
-    agreed(bal, [1e-8, 1e-8])
-    assert bal.rs.state == "hot"
+def test_a_rail_that_leaves_and_comes_back_keeps_what_it_was_worth():
+    bal = hot([1e-8, 3e-8])
     evs = bal.set_live([0])
-    assert bal.rs.state == "cold" and evs[0][1]["reason"] == "rail set changed"
+    assert bal.rs.state == "hot" and evs[0][0] == "weights"
     assert bal.split(8 << 20, 4) == [(0, 0, 8 << 20)]
+    bal.set_live([0, 1])                      # back: its share at once, not equal shares
+    assert bal.rs.state == "hot"
+    assert bal.rs.shares()[0] == pytest.approx(0.75, abs=1e-3)
+
+
+def test_a_rail_never_measured_joining_restarts_cold():
+    bal = Balancer(3, "nezha")
     bal.set_live([0, 1])
-    assert bal.rs.state == "cold"
-    assert len(bal.split(8 << 20, 4)) == 2
+    agreed(bal, [1e-8, 1e-8, np.nan], a=(1e-4,) * 3)
+    assert bal.rs.state == "hot"
+    evs = bal.set_live([0, 1, 2])
+    assert bal.rs.state == "cold" and evs[0][1]["reason"] == "rail set changed"
+    assert len(bal.split(8 << 20, 4)) == 3
+
+
+def test_a_rail_that_slows_on_every_hop_is_followed_after_one_operation():
+    bal = hot([1e-8, 1e-8])
+    evs = one_op(bal, [[1e-8, 4.2e-8]] * 3)
+    assert evs and evs[0][1]["shifted"] == [1]
+    assert bal.rs.used_b[1] == pytest.approx(4.2e-8)
+    assert bal.rs.shares()[1] == pytest.approx(1 / 5.2, abs=1e-3)
+
+
+def test_one_slow_hop_must_show_twice_and_a_faster_rail_at_the_same_split():
+    bal = hot([1e-8, 1e-8])
+    slow_hop = [[1e-8, 1e-8], [1e-8, 4e-8], [1e-8, 1e-8]]   # rank 1's hop on rail 1 only
+    assert one_op(bal, slow_hop) == []
+    assert one_op(bal, slow_hop)[0][1]["shifted"] == [1]
+    assert bal.rs.used_b[1] == pytest.approx(4e-8)           # the slowest hop sets the pace
+    # with its small share rail 1 looks cheaper than 4e-8, but no cheaper than before at
+    # this split (a token bucket's share-size effect): no change
+    for _ in range(3):
+        assert one_op(bal, [[1e-8, 2.2e-8]] * 3, counts=3, fall=(1.0, 1.0)) == []
+    # it recovered: its last two operations cheaper than before at this split; it gets
+    # back what it was worth
+    evs = one_op(bal, [[1e-8, 2.2e-8]] * 3, counts=6, fall=(1.0, 0.4))
+    assert evs[0][1]["shifted"] == [1]
+    assert bal.rs.used_b[1] == pytest.approx(1e-8)            # what it was worth before
+    bal = hot([1e-8, 1e-8])
+    one_op(bal, [[1e-8, 4e-8]] * 3)                           # every hop: at once
+    one_op(bal, [[1e-8, 0.5e-8]] * 3, counts=6, fall=(1.0, 0.2))
+    assert bal.rs.used_b[1] == pytest.approx(1e-8)            # what it was worth, not less
+    assert bal.rs.shares()[1] == pytest.approx(0.5, abs=1e-3)
+
+
+def test_a_rail_that_never_slowed_does_not_jump_faster():
+    """A small share can look far cheaper than it is (a token bucket passes it at once): a
+    25 Mbit/s rail's jump on that took 58 % of a message and 9x the time."""
+    bal = hot([1e-8, 3e-7])
+    assert one_op(bal, [[1e-8, 1e-8]] * 3, counts=6, fall=(1.0, 0.05)) == []
+    assert bal.rs.used_b[1] == pytest.approx(3e-7)
+    bal = hot([1e-8, 1e-8])
+    one_op(bal, [[1e-8, 4e-7]] * 3)                          # slowed 40x
+    one_op(bal, [[1e-8, 1e-8]] * 3, counts=6, fall=(1.0, 0.05))
+    assert bal.rs.used_b[1] == pytest.approx(1e-7)           # back at most 4x at a time
+
+
+def test_a_rail_that_got_slower_never_gets_cheaper():
+    """At the same split a rail got 2x slower, but its tiny share's last cost is far below
+    the model (a token bucket passed it): the model's cost doubles, it never drops."""
+    bal = hot([1e-8, 8e-8])
+    t = np.full((3, 2, balance.TABLE_COLUMNS), np.nan)
+    t[:, :, :3] = (1e-4, np.nan, 3)
+    t[:, 0, 3:] = (1e-8, 1.0, 1.0)
+    t[:, 1, 3:] = (1.4e-9, 2.0, 1.0)
+    bal.agree(t)
+    assert bal.rs.used_b[1] == pytest.approx(1.6e-7)
+
+
+def test_a_single_stall_or_a_uniform_slowdown_does_not_move_the_split():
+    bal = hot([1e-8, 2e-8])
+    before = bal.rs.shares()
+    stall = [[1e-8, 2e-8], [1e-8, 9e-8], [1e-8, 2e-8]]       # one hop, one operation
+    assert one_op(bal, stall) == []
+    assert one_op(bal, [[1e-8, 2e-8]] * 3) == []             # ...and it was gone
+    assert one_op(bal, [[2e-8, 4e-8]] * 3) == []             # every rail 2x slower: same split
+    assert bal.rs.shares() == before
 
 
 def test_exchange_schedule_is_deterministic():
     bal = Balancer(2, "nezha")
     assert not bal.want_exchange(1 << 20)         # nothing measured yet
-    bal.note_op()
+    bal.note_op(1 << 20)
     assert bal.want_exchange(1 << 20)
     assert not bal.want_exchange(100)             # small ops do not pay for an exchange
     assert not Balancer(2, "stripe").want_exchange(1 << 30)
     assert not Balancer(1, "nezha").want_exchange(1 << 30)
+
+
+def test_hot_exchanges_are_spaced_by_what_the_ops_should_have_taken():
+    bal = hot([1e-8, 1e-8])                       # 2 rails: 5e-9 s per byte together
+    per_op = (1 << 20) * 5e-9                      # a 1 MiB op: 5.2 ms
+    gaps, k = [], 0
+    for _ in range(200):
+        bal.note_op(1 << 20)
+        k += 1
+        if bal.want_exchange(1 << 20):
+            gaps.append(k)
+            k = 0
+            agreed(bal, [1e-8, 1e-8])
+    assert set(gaps) == {math.ceil(balance.EXCH_PERIOD_S / per_op)}
+    bal.note_op(64 << 20)                          # a long op: the next one exchanges
+    assert bal.want_exchange(1 << 20)
 
 
 def test_estimator_is_total_time_over_total_bytes_once_it_spans_enough():
@@ -200,9 +309,9 @@ def test_estimator_is_total_time_over_total_bytes_once_it_spans_enough():
 def test_small_messages_pick_the_rail_that_finishes_first():
     bal = Balancer(2, "nezha")
     # rail 1 starts a little faster but is 3x slower per byte
-    t = np.zeros((2, 2, 3))
-    t[:, 0] = (3e-4, 1e-8, 1)
-    t[:, 1] = (2e-4, 3e-8, 1)
+    t = np.full((2, 2, balance.TABLE_COLUMNS), np.nan)
+    t[:, 0, :3] = (3e-4, 1e-8, 1)
+    t[:, 1, :3] = (2e-4, 3e-8, 1)
     bal.agree(t)                # one sample each: still cold, but the rates are known
     assert bal.rs.state == "cold"
     assert bal.split(1000, 4) == [(1, 0, 1000)]          # start-up dominates
@@ -211,9 +320,9 @@ def test_small_messages_pick_the_rail_that_finishes_first():
 
 def test_missing_startup_estimate_is_filled_from_measured_rails():
     bal = Balancer(2, "nezha")
-    t = np.zeros((2, 2, 3))
-    t[:, 0] = (3e-4, 1e-8, 5)
-    t[:, 1] = (np.nan, 3e-8, 5)
+    t = np.full((2, 2, balance.TABLE_COLUMNS), np.nan)
+    t[:, 0, :3] = (3e-4, 1e-8, 5)
+    t[:, 1, :3] = (np.nan, 3e-8, 5)
     bal.agree(t)
     assert bal.rs.a == [3e-4, 3e-4]
 
@@ -222,10 +331,10 @@ def test_a_rail_left_out_keeps_its_cost_and_is_probed_after_three_silent_tables(
     bal = Balancer(3, "nezha")
     agreed(bal, [1e-8, 1e-8, 1e-5], a=(1e-4,) * 3)          # rail 2: 1000x slower
     assert bal.rs.state == "hot" and bal.split(4 << 20, 4)[-1][0] != 2   # left out
-    t = np.zeros((3, 3, 3))
-    t[:, 0] = (1e-4, 1.2e-8, 5)
-    t[:, 1] = (1e-4, 1e-8, 5)
-    t[:, 2] = (1e-4, np.nan, 0)                               # no news of rail 2
+    t = np.full((3, 3, balance.TABLE_COLUMNS), np.nan)
+    t[:, 0, :3] = (1e-4, 1.2e-8, 5)
+    t[:, 1, :3] = (1e-4, 1e-8, 5)
+    t[:, 2, :3] = (1e-4, np.nan, 0)                               # no news of rail 2
     bal.agree(t)
     assert all(x == x for x in bal.rs.used_b)                 # never nan
     assert bal.rs.used_b[2] == pytest.approx(1e-5)
@@ -238,10 +347,10 @@ def test_a_rail_left_out_keeps_its_cost_and_is_probed_after_three_silent_tables(
 
 def test_cold_goes_hot_without_a_rail_that_never_reports_and_probes_it():
     bal = Balancer(3, "nezha")
-    t = np.zeros((3, 3, 3))
-    t[:, 0] = (1e-4, 1e-8, 5)
-    t[:, 1] = (1e-4, 3e-8, 5)
-    t[:, 2] = (1e-4, np.nan, 0)       # its shares are always rescued: no news of its own
+    t = np.full((3, 3, balance.TABLE_COLUMNS), np.nan)
+    t[:, 0, :3] = (1e-4, 1e-8, 5)
+    t[:, 1, :3] = (1e-4, 3e-8, 5)
+    t[:, 2, :3] = (1e-4, np.nan, 0)       # its shares are always rescued: no news of its own
     for _ in range(2):
         bal.agree(t)
         assert bal.rs.state == "cold"
@@ -251,16 +360,40 @@ def test_cold_goes_hot_without_a_rail_that_never_reports_and_probes_it():
     assert 0 < bal.rs.shares()[2] < 0.05                   # a small probing share
 
 
-def test_exchanges_come_soon_after_the_split_moved_and_back_off_while_it_holds():
-    bal = Balancer(2, "nezha")
-    seen = []
-    for i in range(80):
-        bal.note_op()
-        if bal.want_exchange(1 << 20):
-            seen.append(i)
-            # the first 4 tables move the split (then the rates hold still)
-            agreed(bal, [1e-8 * (1 + 0.5 * min(len(seen), 4)), 1e-8])
-    gaps = [b - a for a, b in zip(seen, seen[1:])]
-    assert gaps[:4] == [2, 2, 2, 2]            # fresh samples of each new split, quickly
-    assert gaps[4:8] == [2, 4, 8, 16]          # then backing off...
-    assert set(gaps[8:]) == {16}               # ...to every HOT_INTERVAL ops
+def test_rise_and_fall_compare_operations_at_one_split():
+    e = balance.RailEstimator()
+    MiB = 1 << 20
+    assert math.isnan(e.rise) and math.isnan(e.fall)
+    for t in (0.05, 0.02, 0.02, 0.02, 0.02):      # the first waits behind the old split
+        e.record_b(MiB, t)
+    assert e.rise == pytest.approx(1.0)
+    assert math.isnan(e.fall)                      # too few operations at this split
+    e.record_b(MiB, 0.008)
+    assert e.fall == pytest.approx(1.0)            # one cheap operation is not a change
+    e.record_b(MiB, 0.008)
+    assert e.fall == pytest.approx(0.4)            # two are (the first one left out)
+    e.record_b(MiB, 0.03)
+    assert e.rise == pytest.approx(0.03 / 0.02)
+
+
+def test_a_rail_back_near_what_it_was_worth_gets_it_back_after_two_tables():
+    """No comparison at one split is needed when the rail's cost is back within SHIFT of
+    what it was worth before it slowed (moves in between restart the windows)."""
+    bal = hot([1e-8, 1e-8])
+    one_op(bal, [[1e-8, 4e-8]] * 3)                           # slowed 4x on every hop
+    assert bal.rs.used_b[1] == pytest.approx(4e-8)
+    assert one_op(bal, [[1e-8, 1.3e-8]] * 3, counts=3) == []  # back? once is not enough
+    assert one_op(bal, [[1e-8, 1.3e-8]] * 3, counts=4)[0][1]["shifted"] == [1]
+    assert bal.rs.used_b[1] == pytest.approx(1e-8)
+
+
+def test_a_rail_on_a_tiny_share_has_no_worth_to_jump_back_to():
+    """What a rail on a share far below an equal one costs per byte is no measure of it: it
+    may slow down, but it does not jump back faster (damped steps move it)."""
+    bs = [1e-8, 1e-8, 1e-8, 2e-7]                               # rail 3: 1.6 % of a message
+    bal = Balancer(4, "nezha")
+    agreed(bal, bs, a=(1e-4,) * 4)
+    one_op(bal, [[1e-8, 1e-8, 1e-8, 8e-7]] * 3, fall=(np.nan,) * 4)   # every hop: jumps
+    assert bal.rs.used_b[3] == pytest.approx(8e-7)
+    one_op(bal, [[1e-8, 1e-8, 1e-8, 1e-7]] * 3, counts=6, fall=(1.0, 1.0, 1.0, 0.1))
+    assert bal.rs.used_b[3] == pytest.approx(8e-7)              # no jump back
