@@ -39,9 +39,8 @@ NEZHA_HEARTBEAT_MS          float    100             idle time after which a HEA
 NEZHA_HEARTBEAT_TIMEOUT_MS  float    1500            silence after which a connection fails
 NEZHA_LINK_EVENTS           flag     1               0: no netlink link-event watcher
 NEZHA_DEBUG_SAMPLES         flag     off             any non-empty value: b_sample events
-NEZHA_HEDGE                 flag     off             any non-empty value: copy a late share onto
-                                                     a finished rail (engine/hedge.py; off: it
-                                                     gave wrong results, see hedge.py)
+NEZHA_HEDGE                 flag     1               0: never copy a late share onto a finished
+                                                     rail (engine/hedge.py)
 NEZHA_TRACE                 flag     off             any non-empty value: tx / rx event per chunk
 NEZHA_SIZE                  size     16M             worker: bytes per allreduce (16M, 4096...)
 NEZHA_ITERATIONS            int      10 [#]_         worker: timed iterations
@@ -131,7 +130,7 @@ class Config:
     heartbeat_timeout_ms: float = 1500.0
     link_events: bool = True
     debug_samples: bool = False
-    hedge: bool = False
+    hedge: bool = True
     trace: bool = False
 
     @classmethod
@@ -160,7 +159,7 @@ class Config:
             heartbeat_timeout_ms=e.float("NEZHA_HEARTBEAT_TIMEOUT_MS", d.heartbeat_timeout_ms),
             link_events=e.str("NEZHA_LINK_EVENTS", "1") != "0",
             debug_samples=e.str("NEZHA_DEBUG_SAMPLES") is not None,
-            hedge=e.str("NEZHA_HEDGE") is not None,
+            hedge=e.str("NEZHA_HEDGE", "1") != "0",
             trace=e.str("NEZHA_TRACE") is not None,
         )
 

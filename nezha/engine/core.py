@@ -27,7 +27,7 @@ class Engine(Receiving, Sending, Agreement, Failover, Hedging):
         self.timeout = config.timeout
         self.staging_limit = config.staging_limit
         self.debug_samples = config.debug_samples   # a b_sample event per rate sample
-        self.hedging = config.hedge                 # engine/hedge.py: off by default (wrong results)
+        self.hedging = config.hedge                 # engine/hedge.py (NEZHA_HEDGE=0: off)
         self.trace = config.trace                   # a tx/rx event per chunk
         self.conns: dict[tuple[int, int], object] = {}
         self.dead: set[tuple[int, int]] = set()
@@ -68,14 +68,12 @@ class Engine(Receiving, Sending, Agreement, Failover, Hedging):
 
     def end_op(self, op_id):
         with self.cond:
-            # a late duplicate copy may still be writing (a rerouted chunk): its rail was
-            # shut down, so that ends at once; wait so nobody writes into a returned buffer
-            deadline = time.monotonic() + 1.0
-            while any(s.writers for k, s in self.slots.items() if k[0] == op_id):
-                if time.monotonic() > deadline:
-                    break
-                self.cond.wait(0.01)
+            # the caller gets its buffers back: a late copy still being read into them (a
+            # hedged or rerouted chunk) finishes into scratch
             ended = [k for k in self.slots if k[0] <= op_id]
+            for k in ended:
+                for conn in list(self.slots[k].busy.values()):
+                    conn.revoke()
             self.costs.op_ended([self.slots[k] for k in ended])
             for k in ended:
                 del self.slots[k]

@@ -8,7 +8,7 @@ stalled peer thread or a rail that just died costs one message is then about the
 threshold plus one chunk's time on a good rail, where TCP alone waits out its RTO (200 ms
 by default) and failure detection takes longer still.
 
-Three things keep this honest:
+Four things keep this honest:
   * the late rail is charged for what it delivered itself and how long that took, never
     with the bytes the copies carried: a copy names the rail whose share it is (wire DATA
     aux, COPY_SHIFT) so the receiver can tell (costs.py), and a rail that keeps falling
@@ -17,12 +17,16 @@ Three things keep this honest:
     it over as an orphan when the message is done), so the failure detector (health.py)
     still sees a rail that delivers nothing;
   * each chunk is copied at most once, and only onto a finished rail that is idle (nothing
-    else of ours queued on it), so a copy uses capacity that would go unused.
-
-OFF BY DEFAULT (NEZHA_HEDGE=1 turns it on): with it, full suites gave wrong results (about
-20,000 elements on every rank, in one operation) under a 30 % loss burst and under a rail
-collapsing to 1 % of its rate, on 4 hosts, about once per 24 failover tests; without it, none
-in the runs since. The race is not found yet.
+    else of ours queued on it), so a copy uses capacity that would go unused;
+  * a late copy never writes into a buffer once another copy of its chunk is in: the
+    sender may reuse its buffer as soon as that copy is acknowledged, so the late copy's
+    remaining bytes may no longer be the message's. A copy that lands while another is still
+    being read in place cuts that read off before it writes (transport Connection.revoke:
+    the rest goes to scratch), and so does the end of the operation (core.Engine.end_op);
+    a copy whose chunk is already in is read into a private buffer and dropped. Before
+    this, full suites gave wrong results (about 20,000 elements on every rank, in one
+    operation) under a 30 % loss burst and a rail collapsing to 1 % of its rate, about once
+    per 24 failover tests.
 """
 from __future__ import annotations
 

@@ -42,7 +42,7 @@ class RecvSlot:
         self.t_prev: dict[int, float] = {}
         self.t_last: dict[int, float] = {}
         self.rbytes: dict[int, int] = {}
-        self.busy: set[int] = set()    # offsets being read in place right now
+        self.busy: dict = {}    # offset being read in place right now -> its Connection
         self.copied: dict[int, int] = {}   # late rail -> bytes of its share hedge copies carried
         self.pending: dict[int, list] = {}   # late rail -> [start, own bytes, last own byte]
 

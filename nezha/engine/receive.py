@@ -14,8 +14,6 @@ from .. import wire
 from ..errors import CommError, MismatchError, ProtocolError
 from .messages import ACK_PROGRESS, OP_WINDOW, Desc, RecvSlot
 
-BOUNCE_OPS = 64    # ops for which a rail that was hedged is read via a private buffer
-
 
 class Receiving:
     """Mixin of Engine (state in core.Engine.__init__)."""
@@ -103,17 +101,12 @@ class Receiving:
         copy_of = h.aux >> wire.COPY_SHIFT
         if copy_of:
             # a hedge copy: it is not the late rail's delivery (costs.py charges that rail
-            # with its own frames only), and that rail's frames go through a private buffer
-            # for a while, so a stalled frame of it never writes into a buffer the caller got
-            # back
+            # with its own frames only)
             r = copy_of - 1
             slot.copied[r] = slot.copied.get(r, 0) + h.length
             if r not in slot.t_first:
                 slot.t_first[r], slot.t_prev[r] = t_hdr, 0.0
             slot.rbytes.setdefault(r, 0)
-            late = self.conns.get((h.src, r))
-            if late is not None:
-                late.bounce_op = self.op_seq + BOUNCE_OPS
         else:
             r = h.rail
             if r not in slot.t_first:
@@ -144,10 +137,10 @@ class Receiving:
                 return None
             self._check(slot, h, conn)
             conn.t_hdr = now
-            if h.offset in slot.done or h.offset in slot.busy or conn.bounce_op >= h.op_id:
-                return None      # a repeat, or this rail was late lately: private buffer
+            if h.offset in slot.done or h.offset in slot.busy:
+                return None      # a repeat, or another copy is being read in place
             slot.writers += 1
-            slot.busy.add(h.offset)
+            slot.busy[h.offset] = conn
             conn.cur_slot, conn.cur_off = slot, h.offset
             return slot.view[h.offset:h.offset + h.length]
 
@@ -156,7 +149,7 @@ class Receiving:
             slot = getattr(conn, "cur_slot", None)
             if slot is not None:
                 slot.writers -= 1
-                slot.busy.discard(conn.cur_off)
+                slot.busy.pop(conn.cur_off, None)
                 conn.cur_slot = None
                 self.cond.notify_all()
 
@@ -166,9 +159,12 @@ class Receiving:
             slot = conn.cur_slot
             conn.cur_slot = None
             slot.writers -= 1
-            slot.busy.discard(h.offset)
+            slot.busy.pop(h.offset, None)
             # queue the ACK before the op can complete (and the app close the connection)
             self._ack(conn, h, False)
+            if h.offset in slot.done:         # revoked: another copy came first
+                if not h.aux >> wire.COPY_SHIFT:
+                    self.costs.late_frame(slot, h.rail, h.length, now)
             self._mark(slot, h, conn.t_hdr, getattr(conn, "t_end", 0.0), now)
             conn.t_end = now
             if self.trace:
@@ -188,12 +184,18 @@ class Receiving:
             slot = self.slots.get(key)
             if slot is not None:             # posted meanwhile, or a duplicate
                 self._check(slot, h, conn)
-                self._ack(conn, h, False)
                 if h.offset not in slot.done:
+                    # another copy being read in place is cut off first: once this one is
+                    # acknowledged the sender may reuse its buffer, so that copy's later
+                    # bytes may differ
+                    writer = slot.busy.get(h.offset)
+                    if writer is not None:
+                        writer.revoke()
                     slot.view[h.offset:h.offset + h.length] = buf
                     self._mark(slot, h, conn.t_hdr, t_prev, now)
                 elif not h.aux >> wire.COPY_SHIFT:
                     self.costs.late_frame(slot, h.rail, h.length, now)
+                self._ack(conn, h, False)
                 ack = False
             elif h.op_id <= self.done_op:    # late duplicate of a finished op
                 ack = True

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import fcntl
 import queue
+import select
 import socket
 import struct
 import termios
@@ -181,7 +182,6 @@ class Connection:
         self.cur_slot = None
         self.unacked = 0          # data chunks queued/sent here and not yet acknowledged
         self.orphans = 0          # ...of which their message is done (engine/hedge.py)
-        self.bounce_op = -1       # DATA of ops up to this one is read via a private buffer
         self.t_end = 0.0          # when the last DATA payload ended (engine costs)
         self.busy_since = 0.0
         self.last_ack = 0.0
@@ -203,6 +203,12 @@ class Connection:
         except OSError:
             self.ident = (0, 0)
         self._lock = threading.Lock()
+        # where the DATA payload being read in place goes; ``revoke`` redirects the rest to
+        # scratch between two non-blocking reads (held only around one such read)
+        self._rx_lock = threading.Lock()
+        self.rx_target: memoryview | None = None
+        self._rx_poll = select.poll()
+        self._rx_poll.register(sock, select.POLLIN)
         self.reader = threading.Thread(target=self._read_loop, daemon=True,
                                        name=f"nz-rx-p{peer}-r{rail}")
         self.writer = threading.Thread(target=self._write_loop, daemon=True,
@@ -255,8 +261,7 @@ class Connection:
                 prep = self.handler.before_send(self, item)
                 if prep is None:
                     continue
-                hdr, payload = prep
-                send_vec(sock, [hdr, payload])
+                send_vec(sock, list(prep))
                 self.last_tx = time.monotonic()
                 self.handler.after_send(self, item)
         except (OSError, ValueError) as e:
@@ -265,6 +270,41 @@ class Connection:
             self.fail(e)
 
     # ---------------------------------------------------------------- receiving
+    def revoke(self) -> bool:
+        """The DATA payload being read in place is no longer wanted there (another copy of
+        the chunk is in, or its operation ended and the caller has the buffer back): read
+        the rest of it into scratch. True if a payload was being read in place."""
+        with self._rx_lock:
+            if self.rx_target is None:
+                return False
+            self.rx_target = memoryview(bytearray(len(self.rx_target)))
+            return True
+
+    def _recv_in_place(self, target) -> None:
+        """Read a DATA payload straight into ``target`` (the posted receive) by non-blocking
+        reads, so that ``revoke`` can redirect it between two of them."""
+        n, got = len(target), 0
+        with self._rx_lock:
+            self.rx_target = target
+        try:
+            while got < n:
+                with self._rx_lock:
+                    try:
+                        k = self.sock.recv_into(self.rx_target[got:], n - got, socket.MSG_DONTWAIT)
+                    except BlockingIOError:
+                        k = -1
+                if k == 0:
+                    raise PeerClosedError(f"rank {self.peer} closed rail {self.rail} in the "
+                                          f"middle of a payload ({got} of {n} bytes)")
+                if k < 0:
+                    self._rx_poll.poll()       # a shutdown (ours or the peer's) wakes it
+                    continue
+                got += k
+                self.rx_all += k
+        finally:
+            with self._rx_lock:
+                self.rx_target = None
+
     def arrived(self) -> int:
         """Bytes that have reached this socket so far: read by us plus waiting in the kernel's
         receive queue (SIOCINQ). Rate samples use it so that bytes which sat in the queue while
@@ -363,8 +403,7 @@ class Connection:
             self.handler.data_staged(self, h, buf)
             return
         if h.length:
-            if not recv_exact_into(self.sock, target, "payload", self):
-                raise PeerClosedError(f"rank {self.peer} closed rail {self.rail} before a payload")
+            self._recv_in_place(target)
         self.rx_bytes += h.length
         self.arr_end = self.arrived()
         self.handler.data_done(self, h)

@@ -16,7 +16,7 @@ def test_defaults_without_environment():
     assert (c.watchdog_ms, c.check_timeout_ms, c.heartbeat_ms, c.heartbeat_timeout_ms) == (
         60.0, 100.0, 100.0, 1500.0)
     assert c.link_events and not (c.log_ops or c.store_external or c.debug_samples or c.trace)
-    assert not c.hedge           # hedging gave wrong results: off unless asked for
+    assert c.hedge               # late shares are copied unless NEZHA_HEDGE=0
     assert c.rank is None and c.sockbuf is None and c.tcp_user_timeout_ms is None
 
 
@@ -37,8 +37,8 @@ def test_flags_keep_their_historic_meaning():
     assert on.log_ops and on.store_external and not on.link_events
     assert on.debug_samples and on.trace and on.hedge
     off = Config.from_env({"NEZHA_LOG_OPS": "yes", "NEZHA_STORE_EXTERNAL": "true",
-                           "NEZHA_LINK_EVENTS": "1"})
-    assert not off.log_ops and not off.store_external and off.link_events
+                           "NEZHA_LINK_EVENTS": "1", "NEZHA_HEDGE": "0"})
+    assert not off.log_ops and not off.store_external and off.link_events and not off.hedge
 
 
 def test_empty_counts_as_unset_and_zero_means_default():

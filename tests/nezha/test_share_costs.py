@@ -85,11 +85,15 @@ class FakeConn:
         self.alive = True
         self.unacked = self.orphans = 0
         self.busy_since = 0.0
-        self.bounce_op = -1
         self.queued = []
+        self.revoked = 0
 
     def put(self, item):
         self.queued.append(item)
+
+    def revoke(self):
+        self.revoked += 1
+        return True
 
 
 def ack(eng, conn, ch):
@@ -171,25 +175,40 @@ def test_arrivals_within_a_window_come_from_the_health_samples(tcp_conn):
     assert conn.arrived_within(10.0) == 4000       # history shorter: the oldest sample
 
 
-def test_after_a_hedge_copy_the_late_rail_is_read_through_a_private_buffer():
-    """A late rail's frame may still be arriving when its copy completed the message, and the
-    caller may have its buffer back by then: so once a rail has been hedged, the receiver
-    reads that rail's frames into a private buffer (no in-place write can come late), and
-    never lets two connections write the same bytes in place at once."""
+def test_a_copy_that_lands_first_revokes_the_late_in_place_read():
+    """A late rail's frame may still be arriving in place when another copy of the chunk
+    lands: that copy revokes the late read (the rest of it goes to scratch) before it writes,
+    so no late byte can land after it; two connections never read the same bytes in place."""
     eng = engine()
     c0, c1 = FakeConn(1, 0), FakeConn(1, 1)
     for c in (c0, c1):
         c.t_hdr = 0.0
     eng.conns = {(1, 0): c0, (1, 1): c1}
     total = 2 << 20
-    slot = eng.post_recv(7, 0, 1, memoryview(bytearray(total)), Desc(wire.K_ALLREDUCE, 0, 0, total))
+    view = memoryview(bytearray(total))
+    eng.post_recv(7, 0, 1, view, Desc(wire.K_ALLREDUCE, 0, 0, total))
     eng.op_seq = 7
     first = header(0, 1 << 20, total, rail=1)
     assert eng.data_target(c1, first, 1.0) is not None        # rail 1 reads in place...
-    assert eng.data_target(c0, first, 1.1) is None            # ...so a copy of it may not
-    eng.release_target(c1)
-    with eng.cond:
-        eng._mark(slot, header(1 << 20, 1 << 20, total, rail=0, copy_of=1), 1.0, 0.0, 1.2)
-    assert c1.bounce_op >= 7 + 63 and c0.bounce_op == -1
-    assert eng.data_target(c1, header(0, 1 << 20, total, rail=1), 1.3) is None
-    assert eng.data_target(c0, header(0, 1 << 20, total, rail=0), 1.3) is not None
+    copy = header(0, 1 << 20, total, rail=0, copy_of=1)
+    assert eng.data_target(c0, copy, 1.1) is None             # ...so the copy may not
+    eng.data_staged(c0, copy, b"\x07" * (1 << 20))
+    assert c1.revoked == 1 and c0.revoked == 0                # the late read is cut off...
+    assert bytes(view[:1 << 20]) == b"\x07" * (1 << 20)       # ...before the copy lands
+    eng.data_done(c1, first)                                  # the late frame ends (scratch)
+    assert bytes(view[:1 << 20]) == b"\x07" * (1 << 20)
+
+
+def test_end_op_revokes_reads_still_in_place():
+    """When an operation ends its caller owns the buffers again: a late copy still being
+    read into them finishes into scratch."""
+    eng = engine()
+    c0, c1 = FakeConn(1, 0), FakeConn(1, 1)
+    c1.t_hdr = 0.0
+    eng.conns = {(1, 0): c0, (1, 1): c1}
+    op = eng.begin_op()
+    total = 1 << 20
+    eng.post_recv(op, 0, 1, memoryview(bytearray(total)), Desc(wire.K_ALLREDUCE, 0, 0, total))
+    assert eng.data_target(c1, header(0, total, total, rail=1)._replace(op_id=op), 1.0) is not None
+    eng.end_op(op)
+    assert c1.revoked == 1 and c0.revoked == 0
