@@ -203,6 +203,11 @@ def cmd_shapes(args) -> int:
     return shapes_main(args)
 
 
+def cmd_adapt(args) -> int:
+    from testbed.adapt import main as adapt_main
+    return adapt_main(args)
+
+
 # ------------------------------------------------------------------------------------- parser
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m testbed",
@@ -273,6 +278,12 @@ def _tool_verbs(sub) -> None:
                        "the bottleneck-aware optimum, one row per seed")
     shapes_arguments(s)
     s.set_defaults(func=cmd_shapes)
+
+    from testbed.adapt import add_arguments as adapt_arguments
+    s = sub.add_parser("adapt", help="a rail that slows, meets competing traffic or goes down: "
+                       "nezha vs MPTCP per hosts x rails, against the ideal")
+    adapt_arguments(s)
+    s.set_defaults(func=cmd_adapt)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
