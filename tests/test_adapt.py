@@ -107,7 +107,7 @@ def test_each_kinds_figures_from_a_results_folder(tmp_path, kind, during_mbit):
     assert f.during_x == pytest.approx(300.0 / ideal(2, during_mbit))
     assert f.recovery_ms == pytest.approx(1010.0)      # 0.21 <= 1.1 x 0.2 ends at 110.01
     assert f.post_x == pytest.approx(1.1)              # 0.22 / 0.2
-    assert f.counts == {"pre": 11, "during": 13, "post": 10}
+    assert f.counts == {"pre": 11, "during": 13, "during_whole": 13, "post": 10}
     assert (f.wrong_results, f.iterations_lost, f.adaptation_ms) == (0, 0, 654.0)
     assert f.notes == []
 
@@ -148,6 +148,20 @@ def test_never_recovered_and_missing_windows_are_none_with_a_reason(tmp_path):
     assert f.pre_ms == pytest.approx(200.0)
     assert f.during_x is None and f.recovery_ms is None and f.post_x is None
     assert len(f.notes) == 3
+
+
+def test_an_iteration_stalled_across_the_during_window_is_not_left_out(tmp_path):
+    # MPTCP on a link-down: one iteration from 103.8 to 107.6, then back to 0.3 s ones
+    rows = [r for r in timeline_rows() if r["t_end"] < T_FS] + _seg(103.8, 1, 3.8) \
+        + _seg(107.65, 4, 0.3) + _seg(109.0, 15, 0.2)
+    f = figures(fake_results(tmp_path / "stall", FAULTS["down"], rows=rows))
+    assert f.counts["during_whole"] == 4 and f.during_ms == pytest.approx(300.0)
+    rows = [r for r in rows if not 107.0 < r["t_start"] < 109.0]
+    f = figures(fake_results(tmp_path / "stall2", FAULTS["down"], rows=rows))
+    assert f.counts["during_whole"] == 0 and f.counts["during"] == 1
+    assert f.during_ms == pytest.approx(3800.0)
+    assert f.during_x == pytest.approx(3800.0 / ideal(2, 200))
+    assert any("overlapping" in n for n in f.notes)
 
 
 def test_exactness_and_adaptation_come_from_results_json(tmp_path):
