@@ -46,22 +46,12 @@ class OneFrame:
 
 
 @pytest.fixture
-def pair():
+def pair(loopback_pair):
     """(plain socket, its peer socket) over loopback with small buffers."""
-    lst = socket.create_server(("127.0.0.1", 0))
-    a = socket.create_connection(lst.getsockname())
-    b, _ = lst.accept()
-    lst.close()
-    for s in (a, b):
+    for s in loopback_pair:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 32 << 10)
         s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 32 << 10)
-    yield a, b
-    for s in (a, b):
-        try:
-            s.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        s.close()
+    return loopback_pair
 
 
 def wait_for(pred, what, timeout=5.0):

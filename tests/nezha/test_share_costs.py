@@ -5,7 +5,6 @@ And hedging itself (engine/hedge.py): a late share is copied onto a finished rai
 rail's own copy stays outstanding for the failure detector, and nothing is counted twice."""
 from __future__ import annotations
 
-import socket
 import time
 
 import pytest
@@ -140,17 +139,10 @@ def test_a_late_share_is_copied_to_a_finished_rail_once_and_its_own_copy_stays_o
 
 
 @pytest.fixture
-def tcp_conn():
+def tcp_conn(loopback_pair):
     """(sending socket, Connection on the receiving end) over loopback; threads not started."""
-    lst = socket.create_server(("127.0.0.1", 0))
-    a = socket.create_connection(lst.getsockname())
-    b, _ = lst.accept()
-    lst.close()
-    try:
-        yield a, Connection(b, peer=1, rail=0, handler=None)
-    finally:
-        a.close()
-        b.close()
+    a, b = loopback_pair
+    return a, Connection(b, peer=1, rail=0, handler=None)
 
 
 def test_connection_counts_queued_bytes_as_arrived(tcp_conn):
