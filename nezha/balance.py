@@ -150,6 +150,17 @@ def _usable(x) -> bool:
     return x is not None and x > 0 and not math.isinf(x)
 
 
+def weighted_split(nbytes: int, weights, rails, nrails: int, elem: int = 1) -> list[int]:
+    """Bytes per rail in proportion to ``weights`` over ``rails`` (equal if they weigh
+    nothing): a pinned split, which is also what tells the balancer's split from the best
+    static one on a shape whose rates are known."""
+    w = [weights[r] if r in rails else 0.0 for r in range(nrails)]
+    if not any(w):
+        return equal_split(nbytes, rails, nrails, elem)
+    return cost_split(nbytes, [0.0] * nrails, [1.0 / x if x > 0 else float("nan") for x in w],
+                      elem)
+
+
 def equal_split(nbytes: int, rails, nrails: int, elem: int = 1) -> list[int]:
     out = [0] * nrails
     rails = list(rails)
@@ -493,9 +504,13 @@ class Balancer:
 
     MODES = ("nezha", "stripe", "single")
 
-    def __init__(self, nrails: int, mode: str = "nezha", chunk_bytes: int = 512 << 10):
+    def __init__(self, nrails: int, mode: str = "nezha", chunk_bytes: int = 512 << 10,
+                 pinned=None):
         if mode not in self.MODES:
             raise ValueError(f"unknown balancing mode {mode!r}")
+        if pinned is not None and len(pinned) != nrails:
+            raise ValueError(f"{len(pinned)} pinned shares for {nrails} rails")
+        self.pinned = pinned     # stripe: proportions per rail (None: equal)
         self.nrails = nrails
         self.mode = mode
         self.chunk_bytes = chunk_bytes
@@ -592,7 +607,8 @@ class Balancer:
             rail = live[0] if self.mode == "single" else self._best(live, nbytes)
             return [(rail, 0, nbytes)]
         if self.mode == "stripe":
-            sizes = equal_split(nbytes, live, self.nrails, elem)
+            sizes = weighted_split(nbytes, self.pinned or [1.0] * self.nrails, live,
+                                   self.nrails, elem)
         elif self.rs.state == HOT and set(live) == set(self.rs.live):
             if nbytes < MIN_SPLIT:
                 return [(self._best(live, nbytes), 0, nbytes)]

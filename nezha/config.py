@@ -41,6 +41,8 @@ NEZHA_LINK_EVENTS           flag     1               0: no netlink link-event wa
 NEZHA_DEBUG_SAMPLES         flag     off             any non-empty value: b_sample events
 NEZHA_HEDGE                 flag     1               0: never copy a late share onto a finished
                                                      rail (engine/hedge.py)
+NEZHA_SHARES                list     (equal)         stripe: the split pinned, one proportion per
+                                                     rail (3,1: 75 % / 25 %)
 NEZHA_TRACE                 flag     off             any non-empty value: tx / rx event per chunk
 NEZHA_SIZE                  size     16M             worker: bytes per allreduce (16M, 4096...)
 NEZHA_ITERATIONS            int      10 [#]_         worker: timed iterations
@@ -95,6 +97,20 @@ class _Env:
             raise ConfigError(f"{name}={self.str(name)!r} is not a finite number")
         return v
 
+    def shares(self, name: str) -> Optional[tuple[float, ...]]:
+        """Non-negative proportions, one per rail, not all zero (``3,1``: 75 % / 25 %)."""
+        v = self.str(name)
+        if v is None:
+            return None
+        try:
+            out = tuple(float(x) for x in v.split(","))
+        except ValueError:
+            out = ()
+        if not out or not all(math.isfinite(x) and x >= 0 for x in out) or not any(out):
+            raise ConfigError(f"{name}={v!r} is not a list of non-negative numbers, one per "
+                              f"rail, not all zero (e.g. 3,1)")
+        return out
+
     def secret(self, name: str) -> Optional[str]:
         v = self.str(name)
         if v is not None and len(v.encode()) < MIN_SECRET:
@@ -132,6 +148,7 @@ class Config:
     debug_samples: bool = False
     hedge: bool = True
     trace: bool = False
+    shares: Optional[tuple[float, ...]] = None   # stripe: pinned proportions per rail
 
     @classmethod
     def from_env(cls, environ: Optional[Mapping[str, str]] = None) -> "Config":
@@ -161,6 +178,7 @@ class Config:
             debug_samples=e.str("NEZHA_DEBUG_SAMPLES") is not None,
             hedge=e.str("NEZHA_HEDGE", "1") != "0",
             trace=e.str("NEZHA_TRACE") is not None,
+            shares=e.shares("NEZHA_SHARES"),
         )
 
 

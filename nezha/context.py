@@ -72,6 +72,10 @@ class Context:
         self.rail_addrs = parse_rails(cfg.rails)
         if self.system == "single":
             self.rail_addrs = self.rail_addrs[:1]
+        if self.system == "stripe" and cfg.shares is not None and \
+                len(cfg.shares) != len(self.rail_addrs):
+            raise ConfigError(f"NEZHA_SHARES has {len(cfg.shares)} proportions for "
+                              f"{len(self.rail_addrs)} rails: give one per rail")
         self._closed = False
         self._health = None
         self._rdv = None
@@ -80,7 +84,8 @@ class Context:
                                          self.rail_addrs, cfg)
         self.nrails = self._transport.nrails
         self.events = Events(self.rank, self.nrails, cfg.event_log, cfg.log_ops)
-        self.balancer = Balancer(self.nrails, _MODES[self.system], chunk_bytes)
+        self.balancer = Balancer(self.nrails, _MODES[self.system], chunk_bytes,
+                                 cfg.shares if self.system == "stripe" else None)
         self._engine = Engine(self.rank, self.world_size, self.nrails, self.balancer,
                               self.events, cfg)
         self.events.emit("init", system=self.system, world=self.world_size, rails=self.rail_addrs)

@@ -94,6 +94,9 @@ class RunOptions:
     steady_from: int = 10       # steady busbw = median over iterations with index >= this
     command: str | None = None
     systems: tuple[str, ...] = SYSTEMS   # without kernel MPTCP: nezha and single only
+    # --pinned: also `stripe` with the split pinned at the optimum's proportions
+    # (NEZHA_SHARES): the best a static split does, which tells the balancer's loss from the
+    # transport's
 
     def cli_args(self) -> str:
         """The iteration options that differ from the defaults (they shape the emitted YAML)."""
@@ -507,6 +510,7 @@ class ShapeRow:
     busbw_mbps: dict[str, float | None] = field(default_factory=dict)
     samples: dict[str, int] = field(default_factory=dict)
     ops_to_balance: int | None = None
+    pinned_shares: list[float] = field(default_factory=list)   # --pinned: NEZHA_SHARES
     seconds: float = 0.0
     results_dir: str = ""
     error: str | None = None          # the shape did not run (fabric, spec, crash)
@@ -526,6 +530,8 @@ class ShapeRow:
                  ("nezha", "single"), ("nezha", "mptcp")]
         if "command" in self.busbw_mbps:
             pairs += [("command", "optimum"), ("command", "nezha")]
+        if "stripe" in self.busbw_mbps:
+            pairs += [("stripe", "optimum"), ("nezha", "stripe")]
         return {f"{a}/{b}": self.ratio(a, b) for a, b in pairs}
 
     def to_dict(self) -> dict:
@@ -550,11 +556,33 @@ def _rank_problems(results_dir: Path, systems: Sequence[str]) -> list[str]:
     return out
 
 
-def _run(yaml_text: str, out: Path, log: Callable[[str], None]):
-    """One run through the testbed's own runner (teardown on any exit, Ctrl-C included)."""
+def _run(yaml_text: str, out: Path, log: Callable[[str], None],
+         env: Mapping[str, str] | None = None):
+    """One run through the testbed's own runner (teardown on any exit, Ctrl-C included);
+    ``env``: variables every rank gets (the ranks inherit this process's environment)."""
+    import os
     from testbed.model import spec
     from testbed.run.runner import run_topology
-    return run_topology(spec.loads(yaml_text), out, say=log)
+    saved = {k: os.environ.get(k) for k in env or {}}
+    os.environ.update(env or {})
+    try:
+        return run_topology(spec.loads(yaml_text), out, say=log)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _pinned_env(bound: "Optimum", run: RunOptions) -> dict[str, str]:
+    """NEZHA_SHARES for `stripe` (--pinned): each rail in proportion to what its ring can
+    carry on this shape (a rail without a bound, unshaped, gets an equal weight of the rest)."""
+    if "stripe" not in run.systems:
+        return {}
+    rates = [r.achievable_bps or 0.0 for r in bound.rails]
+    fill = max(rates) if any(rates) else 1.0
+    return {"NEZHA_SHARES": ",".join(f"{(x or fill) / 1e6:.3f}" for x in rates)}
 
 
 def _probe_size(shape: Drawn, rail: DrawnRail) -> int:
@@ -604,7 +632,7 @@ def run_shape(shape: Drawn, run: RunOptions, out: Path, log: Callable[[str], Non
         row.wire_sum_mbps = bound.wire_sum_bps / 1e6 if bound.wire_sum_bps else None
         with_burst = bound.with_burst_bps(shape.size, shape.hosts)
         row.optimum_burst_mbps = with_burst / 1e6 if with_burst else None
-        outcome = _run(row.yaml, seed_dir, log)
+        outcome = _run(row.yaml, seed_dir, log, _pinned_env(bound, run))
         its = outcome.metrics.detail.get("iterations", [])
         for system in run.systems:
             row.busbw_mbps[system], row.samples[system] = steady_busbw(its, system,
@@ -615,6 +643,9 @@ def run_shape(shape: Drawn, run: RunOptions, out: Path, log: Callable[[str], Non
         row.problems += _rank_problems(seed_dir, run.systems)
         if outcome.metrics["wrong_results"]:
             row.problems.append(f"{outcome.metrics['wrong_results']} wrong results")
+        if "stripe" in run.systems:
+            row.pinned_shares = [round(r.achievable_bps / 1e6, 3) if r.achievable_bps else 0.0
+                                 for r in bound.rails]
         if run.command:
             cmd = expand_command(run.command, shape, run)
             cdir = out / f"seed-{shape.seed}.command"
@@ -647,15 +678,17 @@ def _f(v: float | None, spec_: str = ".1f", width: int = 7) -> str:
     return f"{'-' if v is None else format(v, spec_):>{width}}"
 
 
-def header(command: bool = False) -> str:
+def header(command: bool = False, pinned: bool = False) -> str:
     h = (f"{'seed':>5} {'h':>2} {'rails':<26} {'size':>6} {'optimum':>7} {'nezha':>7} "
          f"{'single':>7} {'mptcp':>7} {'n/opt':>6} {'n/sgl':>6} {'n/mptcp':>7} {'ops':>4}")
     if command:
         h += f" {'command':>7} {'c/opt':>6}"
+    if pinned:
+        h += f" {'pinned':>7} {'n/pin':>6}"
     return h + f" {'secs':>5}"
 
 
-def format_row(row: ShapeRow, command: bool = False) -> str:
+def format_row(row: ShapeRow, command: bool = False, pinned: bool = False) -> str:
     b, r = row.busbw_mbps, row.ratios
     s = (f"{row.seed:>5} {row.hosts:>2} {row.label:<26.26} {format_size(row.size):>6} "
          f"{_f(row.optimum_mbps)} {_f(b.get('nezha'))} {_f(b.get('single'))} "
@@ -664,6 +697,8 @@ def format_row(row: ShapeRow, command: bool = False) -> str:
          f"{_f(row.ops_to_balance, 'd', 4)}")
     if command:
         s += f" {_f(b.get('command'))} {_f(r.get('command/optimum'), '.3f', 6)}"
+    if pinned:
+        s += f" {_f(b.get('stripe'))} {_f(r.get('nezha/stripe'), '.3f', 6)}"
     s += f" {row.seconds:>5.0f}"
     if row.error:
         s += f"\n      FAILED: {row.error}"
@@ -691,6 +726,8 @@ def summarize(rows: Sequence[ShapeRow], interrupted: bool = False) -> dict:
         "mptcp/optimum_median": med("mptcp/optimum"),
         "nezha/single_median": med("nezha/single"),
         "nezha/mptcp_median": med("nezha/mptcp"),
+        "pinned/optimum_median": med("stripe/optimum"),
+        "nezha/pinned_median": med("nezha/stripe"),
         "nezha_below_single": [r.seed for r in done
                                if (r.ratio("nezha", "single") or math.inf) < 1],
         "ops_to_balance_median": statistics.median(ops) if ops else None,
@@ -721,6 +758,9 @@ def format_summary(s: dict) -> str:
             + (f", never within {TOLERANCE:.0%}: seeds "
                f"{', '.join(map(str, s['never_balanced_seeds']))}"
                if s["never_balanced_seeds"] else ""),
+            *([f"   pinned split (stripe at the optimum's proportions): /optimum median "
+               f"{f3(s['pinned/optimum_median'])}; nezha/pinned median "
+               f"{f3(s['nezha/pinned_median'])}"] if s.get("pinned/optimum_median") else []),
             f"   nezha < single in {len(s['nezha_below_single'])} shapes"
             + (f": seeds {', '.join(map(str, s['nezha_below_single']))}"
                if s["nezha_below_single"] else ""),
@@ -796,7 +836,7 @@ def sweep(seeds: Sequence[int], draw_opts: DrawOptions, run: RunOptions, out: Pa
     out.mkdir(parents=True, exist_ok=True)
     rows: list[ShapeRow] = []
     interrupted = False
-    show(header(bool(run.command)))
+    show(header(bool(run.command), "stripe" in run.systems))
     try:
         for seed in seeds:
             shape = draw(seed, draw_opts)
@@ -809,7 +849,7 @@ def sweep(seeds: Sequence[int], draw_opts: DrawOptions, run: RunOptions, out: Pa
                     print(msg, file=_f, flush=True)
                 row = run_shape(shape, run, out, log)
             rows.append(row)
-            show(format_row(row, bool(run.command)))
+            show(format_row(row, bool(run.command), "stripe" in run.systems))
             write_json(json_path, rows, draw_opts, run)
     except KeyboardInterrupt:
         interrupted = True
@@ -893,6 +933,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--command", dest="user_command", metavar="CMD",
                    help="also run your program on each shape ({bytes}, {iterations}, {warmup} "
                    "are replaced) and report its busbw next to nezha")
+    p.add_argument("--pinned", action="store_true",
+                   help="also run `stripe` with the split pinned at the optimum's proportions "
+                   "(NEZHA_SHARES): the best static split, next to Nezha's balancer")
     p.add_argument("--results", help="folder (default results/shapes-TIMESTAMP)")
     p.add_argument("--json", help="rows as JSON (default RESULTS/shapes.json)")
     p.add_argument("--plot", help="distribution plot (default RESULTS/shapes.png)")
@@ -909,7 +952,8 @@ def options_from(args) -> tuple[DrawOptions, RunOptions]:
     if steady_from is None:
         steady_from = min(RunOptions.steady_from, (args.iterations + args.warmup) // 2)
     r = RunOptions(iterations=args.iterations, warmup=args.warmup,
-                   steady_from=steady_from, command=args.user_command)
+                   steady_from=steady_from, command=args.user_command,
+                   systems=SYSTEMS + (("stripe",) if getattr(args, "pinned", False) else ()))
     if r.iterations < 1 or r.warmup < 0:
         raise SpecError("--iterations", f"{r.iterations} (warmup {r.warmup})",
                         "at least 1 iteration and a non-negative warmup")

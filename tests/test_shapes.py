@@ -21,8 +21,11 @@ from testbed.shapes import (
     check_options,
     draw,
     expand_command,
+    _pinned_env,
     format_row,
     format_summary,
+    header,
+    options_from,
     goodput_factor,
     ops_to_balance,
     optimum,
@@ -283,6 +286,24 @@ def test_rows_summary_json_and_plot(tmp_path):
     assert doc["rerun"] == "python -m testbed shapes --emit SEED --hosts 2-4"
     assert doc["rows"][0]["ratios"]["nezha/optimum"] == pytest.approx(0.9)
     assert plot(tmp_path / "shapes.png", rows).stat().st_size > 0
+
+
+def test_pinned_runs_stripe_at_the_optimums_proportions():
+    topo = spec.loads("""
+hosts: 3
+rails: [{name: r0, bandwidth: 300mbit}, {name: r1, bandwidth: 100mbit}]
+""")
+    run = options_from(cli.build_parser().parse_args(["shapes", "--pinned"]))[1]
+    assert "stripe" in run.systems
+    env = _pinned_env(optimum(topo), run)
+    shares = [float(x) for x in env["NEZHA_SHARES"].split(",")]
+    assert shares[0] / shares[1] == pytest.approx(3.0, rel=1e-4)
+    assert _pinned_env(optimum(topo), RunOptions()) == {}
+    row = _row(0, 90, 50, 80)
+    row.busbw_mbps["stripe"] = 100.0
+    assert row.ratios["nezha/stripe"] == pytest.approx(0.9)
+    assert "pinned" in header(pinned=True) and "0.900" in format_row(row, pinned=True)
+    assert "nezha/pinned median 0.900" in format_summary(summarize([row]))
 
 
 def test_seed_size_and_range_options():

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from nezha import balance
-from nezha.balance import Balancer, cost_split, equal_split
+from nezha.balance import Balancer, cost_split, equal_split, weighted_split
 
 
 def finish_times(split, a, b):
@@ -60,6 +60,18 @@ def test_rounding_to_elements(nbytes, elem):
     assert all(x % elem == 0 for x in s)
     e = equal_split(nbytes, [0, 2], 3, elem)
     assert sum(e) == nbytes and e[1] == 0 and all(x % elem == 0 for x in e)
+
+
+def test_a_pinned_split_follows_its_proportions_over_the_live_rails():
+    b = Balancer(3, "stripe", pinned=[3.0, 1.0, 0.0])
+    plan = b.split(1 << 20, 4)
+    assert [(r, n) for r, _, n in plan] == [(0, 3 << 18), (1, 1 << 18)]
+    # r0 failed: the pinned proportions of the rails left; none left with weight: equal
+    assert [(r, n) for r, _, n in b.split(1 << 20, 4, live=(1, 2))] == [(1, 1 << 20)]
+    assert weighted_split(1001, [0, 0, 5], (0, 1), 3, 4) == [500 + 1, 500, 0]
+    assert sum(weighted_split(12345, [7, 3, 1], (0, 1, 2), 3, 8)) == 12345
+    with pytest.raises(ValueError):
+        Balancer(3, "stripe", pinned=[1.0, 1.0])
 
 
 def test_unusable_rail_gets_nothing():

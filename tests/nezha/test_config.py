@@ -50,10 +50,16 @@ def test_empty_counts_as_unset_and_zero_means_default():
 
 @pytest.mark.parametrize("name, value", [("NEZHA_RANK", "one"), ("NEZHA_TIMEOUT", "fast"),
                                          ("NEZHA_HEARTBEAT_MS", "1e"),
-                                         ("NEZHA_PIPE_BLOCK", "2M")])
+                                         ("NEZHA_PIPE_BLOCK", "2M"), ("NEZHA_SHARES", "3,x"),
+                                         ("NEZHA_SHARES", "3,-1"), ("NEZHA_SHARES", "0,0")])
 def test_a_bad_value_names_its_variable(name, value):
     with pytest.raises(ConfigError, match=f"{name}='{value}'"):
         Config.from_env({name: value})
+
+
+def test_pinned_shares_are_proportions_per_rail():
+    assert Config.from_env({"NEZHA_SHARES": "3,1,0.5"}).shares == (3.0, 1.0, 0.5)
+    assert Config.from_env({}).shares is None
 
 
 def test_config_is_frozen():
