@@ -56,8 +56,16 @@ def reduction(op, call: str) -> Reduction:
     for known, name, avg in _OPS:
         if rop == known:
             return Reduction(name, avg)
-    raise UnsupportedCall(f"{call}: reduction op {rop} is not supported by the nezha backend "
-                          f"(supported: {SUPPORTED_OPS})")
+    raise UnsupportedCall(f"{call}: reduction op {op_name(rop)} is not supported by the nezha "
+                          f"backend (supported: {SUPPORTED_OPS})")
+
+
+def op_name(rop) -> str:
+    """'BAND', 'PREMUL_SUM'...: a ReduceOp's repr does not say which it is."""
+    for name in dist.ReduceOp.RedOpType.__members__:
+        if rop == getattr(dist.ReduceOp, name):
+            return name
+    return repr(rop)
 
 
 def check_reducible(t: torch.Tensor, red: Reduction, call: str) -> None:
