@@ -145,3 +145,19 @@ def test_creator_needs_rails(monkeypatch):
     monkeypatch.delenv("NEZHA_RAILS", raising=False)
     with pytest.raises(errors.ConfigError, match="NEZHA_RAILS"):
         nt.NezhaProcessGroup(dist.HashStore(), 0, 1, timedelta(seconds=2))
+
+
+def test_example_runs_under_torchrun(tmp_path):
+    """examples/train_ddp.py under torchrun (its agent serves the c10d store), unchanged."""
+    import os
+    import subprocess
+    import sys
+    root = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+    env = dict(os.environ, NEZHA_RAILS="127.0.0.1,127.0.0.2", OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+           "--master-port", str(free_port()), os.path.join(root, "examples", "train_ddp.py"),
+           "--backend", "nezha", "--steps", "3", "--width", "64", "--layers", "2"]
+    out = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.count("loss") == 3 and "nezha: 2 ranks" in out.stdout
