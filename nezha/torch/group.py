@@ -8,7 +8,7 @@ is sent), then queues the collective on the group's worker (work.py) and returns
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Callable, Optional
+from typing import Callable, NoReturn
 
 import numpy as np
 import torch
@@ -21,16 +21,30 @@ from .store import C10dStore
 from .tensors import UnsupportedCall
 from .work import NezhaWork, Worker
 
-SUPPORTED = ("allreduce, allreduce_coalesced, broadcast, allgather, all_gather_single "
-             "(_allgather_base), reduce_scatter, reduce_scatter_single (_reduce_scatter_base), "
-             "barrier")
+SUPPORTED = ("allreduce (and coalesced), broadcast, allgather, all_gather_into_tensor (and "
+             "coalesced), reduce_scatter, reduce_scatter_tensor (and coalesced), barrier")
+
+
+def _pairs(outputs, inputs, call: str) -> list:
+    if len(outputs) != len(inputs):
+        raise ValueError(f"{call}: {len(outputs)} outputs for {len(inputs)} inputs")
+    return list(zip(outputs, inputs))
+
+
+def _refused(call: str) -> Callable[..., NoReturn]:
+    """A method for a collective the backend does not provide: it says so, and what it has."""
+    def method(self, *args, **kwargs) -> NoReturn:
+        raise UnsupportedCall(f"{call} is not supported by the nezha backend (supported: "
+                              f"{SUPPORTED}; reduction ops {T.SUPPORTED_OPS})")
+    method.__name__ = call
+    return method
 
 
 class NezhaProcessGroup(dist.ProcessGroup):
     """A process group whose collectives run on Nezha's rails (see nezha/torch/__init__.py)."""
 
     def __init__(self, store, rank: int, size: int, timeout: timedelta,
-                 config: Optional[Config] = None):
+                 config: Config | None = None):
         super().__init__(rank, size)
         self._rank, self._size = rank, size
         self._group_name, self._group_desc = "", ""
@@ -82,9 +96,8 @@ class NezhaProcessGroup(dist.ProcessGroup):
     def reduce_scatter(self, outputs, inputs, opts=None) -> NezhaWork:
         """outputs[i] = reduction over ranks of inputs[i][rank] (list form, size-long lists)."""
         red = T.reduction(opts if opts is not None else dist.ReduceOp.SUM, "reduce_scatter")
-        if len(outputs) != len(inputs):
-            raise ValueError(f"reduce_scatter: {len(outputs)} outputs for {len(inputs)} input lists")
-        plans = [self._rs_plan(out, list(ins), red) for out, ins in zip(outputs, inputs)]
+        plans = [self._rs_plan(out, list(ins), red)
+                 for out, ins in _pairs(outputs, inputs, "reduce_scatter")]
         return self._submit("reduce_scatter", lambda: [p() for p in plans], list(outputs))
 
     def reduce_scatter_single(self, output, input, opts=None) -> NezhaWork:
@@ -94,6 +107,14 @@ class NezhaProcessGroup(dist.ProcessGroup):
         return self._submit("reduce_scatter_tensor", plan, [output])
 
     _reduce_scatter_base = reduce_scatter_single
+
+    def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None) -> NezhaWork:
+        """reduce_scatter_tensor for each pair, as one job (torch's coalescing manager)."""
+        red = T.reduction(opts if opts is not None else dist.ReduceOp.SUM, "reduce_scatter_tensor")
+        plans = [self._rs_plan(o, [i], red) for o, i in _pairs(outputs, inputs, "reduce_scatter")]
+        return self._submit("reduce_scatter_tensor", lambda: [p() for p in plans], list(outputs))
+
+    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 
     def _rs_plan(self, out: torch.Tensor, ins: list, red: T.Reduction) -> Callable[[], None]:
         """Check one reduce-scatter and return the job that runs it."""
@@ -153,6 +174,20 @@ class NezhaProcessGroup(dist.ProcessGroup):
 
     def all_gather_single(self, output, input, opts=None) -> NezhaWork:
         """``output`` (size x input.numel()) gets every rank's ``input`` in rank order."""
+        return self._submit("all_gather_into_tensor", self._gather_plan(output, input), [output])
+
+    _allgather_base = all_gather_single
+
+    def all_gather_single_coalesced(self, outputs, inputs, opts=None) -> NezhaWork:
+        """all_gather_into_tensor for each pair, as one job (torch's coalescing manager)."""
+        plans = [self._gather_plan(o, i) for o, i in _pairs(outputs, inputs, "all_gather")]
+        return self._submit("all_gather_into_tensor", lambda: [p() for p in plans], list(outputs))
+
+    allgather_into_tensor_coalesced = all_gather_single_coalesced
+
+    def _gather_plan(self, output: torch.Tensor, input: torch.Tensor) -> Callable[[], None]:
+        """Check one all_gather_into_tensor and return the job that runs it: zero-copy when
+        both are contiguous whole words, else through the padded byte path."""
         T.check_cpu([output, input], "all_gather_into_tensor")
         if output.dtype != input.dtype or output.numel() != self._size * input.numel():
             raise ValueError(f"all_gather_into_tensor: output must hold group size x input = "
@@ -160,16 +195,12 @@ class NezhaProcessGroup(dist.ProcessGroup):
                              f"{output.numel()} of {output.dtype}")
 
         def job() -> None:
-            n = T.nbytes(input)
-            if n % 4 == 0 and output.is_contiguous() and input.is_contiguous():
+            if T.nbytes(input) % 4 == 0 and output.is_contiguous() and input.is_contiguous():
                 self.ctx.allgather(T.byte_view(input).numpy().view(np.int32),
                                    T.byte_view(output).numpy().view(np.int32))
-                return
-            blocks = self._gather_bytes(input)
-            T.write_bytes(output, np.concatenate(blocks))
-        return self._submit("all_gather_into_tensor", job, [output])
-
-    _allgather_base = all_gather_single
+            else:
+                T.write_bytes(output, np.concatenate(self._gather_bytes(input)))
+        return job
 
     def _check_gather(self, outs: list, t: torch.Tensor, call: str) -> None:
         T.check_cpu(outs + [t], call)
@@ -193,42 +224,17 @@ class NezhaProcessGroup(dist.ProcessGroup):
         return self._submit("barrier", self.ctx.barrier, [])
 
     # ------------------------------------------------------------------ not provided
-    def _unsupported(self, call: str):
-        raise UnsupportedCall(f"{call} is not supported by the nezha backend (supported: "
-                              f"{SUPPORTED}; reduction ops {T.SUPPORTED_OPS})")
-
-    def send(self, *a, **k):
-        self._unsupported("send")
-
-    def recv(self, *a, **k):
-        self._unsupported("recv")
-
-    def recv_anysource(self, *a, **k):
-        self._unsupported("recv_anysource")
-
-    def alltoall(self, *a, **k):
-        self._unsupported("alltoall")
-
-    def alltoall_base(self, *a, **k):
-        self._unsupported("all_to_all_single")
-
-    def all_to_all_single(self, *a, **k):
-        self._unsupported("all_to_all_single")
-
-    def gather(self, *a, **k):
-        self._unsupported("gather")
-
-    def scatter(self, *a, **k):
-        self._unsupported("scatter")
-
-    def reduce(self, *a, **k):
-        self._unsupported("reduce")
-
-    def allgather_coalesced(self, *a, **k):
-        self._unsupported("allgather_coalesced")
-
-    def monitored_barrier(self, *a, **k):
-        self._unsupported("monitored_barrier")
+    send = _refused("send")
+    recv = _refused("recv")
+    recv_anysource = _refused("recv_anysource")
+    alltoall = _refused("alltoall")
+    alltoall_base = _refused("all_to_all_single")
+    all_to_all_single = _refused("all_to_all_single")
+    gather = _refused("gather")
+    scatter = _refused("scatter")
+    reduce = _refused("reduce")
+    allgather_coalesced = _refused("allgather_coalesced")
+    monitored_barrier = _refused("monitored_barrier")
 
     # ------------------------------------------------------------------ teardown
     def shutdown(self) -> None:
@@ -238,6 +244,6 @@ class NezhaProcessGroup(dist.ProcessGroup):
 
     def abort(self) -> None:
         """Fail the queued collectives and close the Context now (a running one fails)."""
-        self._worker._fail_queued("the process group was aborted")
+        self._worker.fail_queued("the process group was aborted")
         self.ctx.close()
         self._worker.close("the process group was aborted", drain=False)

@@ -15,7 +15,7 @@ interrupted by the abort key, so waits poll ``check`` every POLL seconds.
 from __future__ import annotations
 
 import time
-from typing import Iterable, Optional
+from collections.abc import Iterable
 
 from ..errors import RendezvousAborted, StoreError, StoreTimeout
 from ..store import ABORT_KEY
@@ -40,7 +40,7 @@ class C10dStore:
         data = bytes(value) if isinstance(value, (bytes, bytearray)) else str(value).encode()
         self._call("set", self._store.set, key, data)
 
-    def get(self, key: str, timeout: Optional[float] = None) -> str:
+    def get(self, key: str, timeout: float | None = None) -> str:
         self.wait([key], timeout)
         return self._call("get", self._store.get, key).decode()
 
@@ -50,7 +50,7 @@ class C10dStore:
     def check(self, keys: Iterable[str]) -> bool:
         return bool(self._call("check", self._store.check, list(keys)))
 
-    def wait(self, keys: Iterable[str], timeout: Optional[float] = None) -> None:
+    def wait(self, keys: Iterable[str], timeout: float | None = None) -> None:
         """Until every key is set; StoreTimeout after ``timeout`` s, RendezvousAborted as soon
         as a rank has aborted the rendezvous."""
         keys = list(keys)

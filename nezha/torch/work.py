@@ -11,7 +11,7 @@ from __future__ import annotations
 import queue
 import threading
 from datetime import timedelta
-from typing import Callable, Optional
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -23,15 +23,16 @@ class NezhaWork(dist.Work):
     """The handle of one queued collective: ``wait()``, ``is_completed()``, ``get_future()``
     (a torch Future completed with ``result``, the output tensors, or with the error)."""
 
-    def __init__(self, name: str, result: list):
+    def __init__(self, name: str, result: list, runner: threading.Thread | None = None):
         super().__init__()
         self.name = name
+        self._runner = runner
         self._result = result
         self._future: torch.futures.Future = torch.futures.Future()
         self._done = threading.Event()
-        self._error: Optional[BaseException] = None
+        self._error: BaseException | None = None
 
-    def _finish(self, error: Optional[BaseException]) -> None:
+    def _finish(self, error: BaseException | None) -> None:
         """Called once, by the worker thread (never holding a lock: the future's callbacks,
         e.g. DDP's division by the world size, run here)."""
         self._error = error
@@ -41,9 +42,12 @@ class NezhaWork(dist.Work):
         else:
             self._future.set_exception(error)
 
-    def wait(self, timeout: Optional[timedelta] = None) -> bool:
+    def wait(self, timeout: timedelta | None = None) -> bool:
         """Block until done; raise the collective's error. ``timeout`` (0 or None: none)."""
         secs = timeout.total_seconds() if isinstance(timeout, timedelta) else timeout
+        if not self._done.is_set() and threading.current_thread() is self._runner:
+            raise CommError(f"nezha {self.name}: waited for on the group's own worker thread (in "
+                            f"a future callback?), which would never run it")
         if not self._done.wait(secs if secs else None):
             raise TimeoutError(f"nezha {self.name}: not complete within {secs:g} s")
         if self._error is not None:
@@ -56,7 +60,7 @@ class NezhaWork(dist.Work):
     def is_success(self) -> bool:
         return self._done.is_set() and self._error is None
 
-    def exception(self) -> Optional[BaseException]:
+    def exception(self) -> BaseException | None:
         return self._error
 
     def result(self) -> list:
@@ -76,13 +80,13 @@ class Worker:
     def __init__(self, name: str):
         self._q: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
-        self._closed: Optional[str] = None
+        self._closed: str | None = None
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
     def submit(self, name: str, job: Callable[[], None], result: list) -> NezhaWork:
         """Queue ``job`` (runs on the worker thread); the Work completes with ``result``."""
-        work = NezhaWork(name, result)
+        work = NezhaWork(name, result, self._thread)
         with self._lock:
             if self._closed is not None:
                 raise CommError(f"nezha {name}: {self._closed}")
@@ -109,12 +113,12 @@ class Worker:
                 return
             self._closed = why
             if not drain:
-                self._fail_queued(why)
+                self.fail_queued(why)
             self._q.put(None)
         if threading.current_thread() is not self._thread:
             self._thread.join()
 
-    def _fail_queued(self, why: str) -> None:
+    def fail_queued(self, why: str) -> None:
         while True:
             try:
                 item = self._q.get_nowait()

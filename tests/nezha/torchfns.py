@@ -172,6 +172,35 @@ def async_handles(rank: int, world: int, fails: list) -> None:
         fails.append(("future", fut.wait()))
 
 
+def coalesced(rank: int, world: int, fails: list) -> None:
+    """torch's coalescing manager hands a batch of the same collective over in one call."""
+    total = float(sum(range(world)))
+    a, b = torch.full((5,), float(rank)), torch.full((3,), 2.0 * rank, dtype=torch.float64)
+    with dist._coalescing_manager(async_ops=True) as cm:
+        dist.all_reduce(a)
+        dist.all_reduce(b)
+    cm.wait()
+    if a.tolist() != [total] * 5 or b.tolist() != [2 * total] * 3:
+        fails.append(("coalesced all_reduce", a.tolist(), b.tolist()))
+    ins = [torch.full((2,), float(rank)), torch.arange(3) + rank]
+    outs = [torch.empty(2 * world), torch.empty(3 * world, dtype=torch.int64)]
+    with dist._coalescing_manager():
+        for o, i in zip(outs, ins):
+            dist.all_gather_into_tensor(o, i)
+    want = [torch.arange(world).repeat_interleave(2).float(),
+            torch.cat([torch.arange(3) + r for r in range(world)])]
+    if not all(torch.equal(o, w) for o, w in zip(outs, want)):
+        fails.append(("coalesced all_gather_into_tensor", [o.tolist() for o in outs]))
+    full = [torch.arange(2.0 * world) * (rank + 1), torch.ones(world, dtype=torch.int32)]
+    got = [torch.empty(2), torch.empty(1, dtype=torch.int32)]
+    with dist._coalescing_manager():
+        for o, i in zip(got, full):
+            dist.reduce_scatter_tensor(o, i)
+    k = sum(r + 1 for r in range(world))
+    if got[0].tolist() != [2.0 * rank * k, (2.0 * rank + 1) * k] or got[1].tolist() != [world]:
+        fails.append(("coalesced reduce_scatter_tensor", [g.tolist() for g in got]))
+
+
 def unsupported(rank: int, world: int, fails: list) -> None:
     """Each refused on the caller's thread, naming the call; nothing is sent."""
     from nezha.torch import UnsupportedCall
@@ -232,6 +261,7 @@ def collectives(rank: int, world: int, port: int) -> dict:
                 ("movement", lambda f: movement(rank, world, f, digests)),
                 ("objects", lambda f: objects(rank, world, f)),
                 ("async", lambda f: async_handles(rank, world, f)),
+                ("coalesced", lambda f: coalesced(rank, world, f)),
                 ("unsupported", lambda f: unsupported(rank, world, f)),
                 ("errors", lambda f: errors_propagate(rank, world, f))]
     for name, run in sections:
