@@ -20,6 +20,7 @@ Modules, in the order data flows:
   health       watchdog, heartbeats, netlink link events, rail reports, re-probe/rejoin
   events       per-rail counters and the JSON-lines event log
   baselines    make_context(system=...), GlooContext (torch)
+  torch/       the torch.distributed backend "nezha" (import nezha.torch; DDP unchanged)
   worker       python -m nezha.worker: verified allreduce loop for the testbed
   bench        python -m nezha.bench: latency / algbw / busbw per system
   testing      run ranks as local processes on loopback rails
