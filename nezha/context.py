@@ -125,7 +125,8 @@ class Context:
         rdv.meet(group, endpoints, deadline)
         rdv.connect(deadline)
         # heartbeats start before the last barrier: a slow rank must not look dead
-        self._health = Health(self._engine, rdv.rejoin, self.rail_addrs, self._config)
+        self._health = Health(self._engine, rdv.rejoin, self.rail_addrs, self._config,
+                              refuses=rdv.refuses)
         self._health.start()
         rdv.all_connected(deadline)
 

@@ -23,6 +23,9 @@ Event names and their fields (``rail`` is the rail index, ``peer`` a rank):
   rail_agreed     rail, state "down"|"up", by, peer, op  (rail usable by nobody / again)
   probe           peer, rail, next_in | ok=false, error  (re-connect attempt)
   rail_up         peer, rail, how "reconnected"|"accepted"
+  peer_unreachable  peer, rail, parked, reason           (the last rail to the peer failed: its
+                                                         chunks wait for a rail to come back)
+  peer_reachable  peer, rail, chunks, outage_ms          (a rail is back: the parked chunks go)
   stray_connection  rail, peer "addr:port", reason        (a rail connection refused: not one of
                                                          ours, no proof of the secret, too many)
   store_refused   peer "addr:port", reason               (the store refused a connection or request)

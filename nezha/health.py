@@ -33,7 +33,15 @@ authenticated handshake as the first connect (``rejoin`` is rendezvous.Rendezvou
 raises while the path is broken or the peer refuses, e.g. an unauthenticated peer whose end of
 the connection is still alive); on success the rail rejoins (CONTROL "up") once no rank
 reports it down.
-Events: rail_check, rail_alive, rail_suspected, rail_down, rerouted, rail_agreed, probe, rail_up.
+
+When every rail to a peer has failed (the peer is *unreachable*, engine/failover.py), its
+rails are re-dialled every PROBE_UNREACHABLE at most, so the job resumes within a fraction of
+a second of a rail's return; and every LIVENESS_EVERY the peer's listeners are dialled
+(``refuses``, rendezvous.Rendezvous.refuses): when every rail refuses the connection, the
+peer's process is gone and the job fails at once with PeerClosedError, instead of waiting
+out the collective's timeout as it must for a path that is merely broken.
+Events: rail_check, rail_alive, rail_suspected, rail_down, rerouted, rail_agreed, probe, rail_up,
+peer_unreachable, peer_reachable.
 """
 from __future__ import annotations
 
@@ -45,12 +53,14 @@ from typing import Callable, NamedTuple, Optional, Sequence
 
 from . import wire
 from .config import Config
-from .errors import CommError
+from .errors import CommError, PeerClosedError
 
 CHECK_MEMORY = 2.0     # s a peer's "bytes arrive" answer widens later questions (see check)
 WATCHDOG_FACTOR = 4.0
 WATCHDOG_NOMINAL_BPS = 12.5e6   # assumed rail speed (100 Mbit/s) before anything is measured
 PROBE_MIN, PROBE_MAX = 0.1, 1.0
+PROBE_UNREACHABLE = 0.1    # s between re-dials of a peer that has no rail at all
+LIVENESS_EVERY = 0.2       # s between "does its process still listen?" checks of such a peer
 RTO_FACTOR = 1.25
 TICK = 0.01
 
@@ -96,9 +106,11 @@ class Health:
     the config (timings)."""
 
     def __init__(self, eng, rejoin: Callable[[int, int], None], rail_addrs: Sequence[str],
-                 config: Config = Config()):
+                 config: Config = Config(), refuses: Optional[Callable[[int], bool]] = None):
         self.eng = eng
         self.rejoin = rejoin
+        self.refuses = refuses       # peer -> every rail refuses a connection (it exited)
+        self.liveness_at: dict[int, float] = {}
         self.rail_addrs = list(rail_addrs)
         self.watchdog_min = config.watchdog_ms / 1e3
         self.check_timeout = config.check_timeout_ms / 1e3
@@ -111,6 +123,8 @@ class Health:
         self.thread = threading.Thread(target=self.run, daemon=True, name="nz-health")
         # probes connect (and may wait on a dead path): never in the heartbeat thread
         self.probe_thread = threading.Thread(target=self.probe_loop, daemon=True, name="nz-probe")
+        self.liveness_thread = threading.Thread(target=self.liveness_loop, daemon=True,
+                                                name="nz-liveness")
         self.link_thread = None
         self._check_seq = 0
         self.eng.on_arrivals = self.on_arrivals
@@ -118,12 +132,14 @@ class Health:
     def start(self):
         self.thread.start()
         self.probe_thread.start()
+        self.liveness_thread.start()
         self._start_link_monitor()
 
     def close(self):
         self.stop.set()
         self.thread.join(2.0)
         self.probe_thread.join(2.0)
+        self.liveness_thread.join(2.0)
         ipr = getattr(self, "_ipr", None)
         if ipr is not None:
             try:
@@ -189,6 +205,27 @@ class Health:
         while not self.stop.wait(0.02):
             if self.eng.error is None and not self.eng.closing:
                 self.probe(time.monotonic())
+
+    def liveness_loop(self):
+        """Its own thread: a dial to a broken path waits for its timeout, and the re-dials
+        (probe_loop) must not wait behind it."""
+        while not self.stop.wait(0.02):
+            if self.eng.error is None and not self.eng.closing:
+                self.check_unreachable(time.monotonic())
+
+    def check_unreachable(self, now: float) -> None:
+        """A peer without any rail: a process that exited refuses every new connection, a
+        broken path does not (see the module docstring)."""
+        eng = self.eng
+        for peer, (since, why) in list(eng.unreachable.items()):
+            if self.refuses is None or now - self.liveness_at.get(peer, since) < LIVENESS_EVERY:
+                continue
+            self.liveness_at[peer] = now
+            if peer in eng.unreachable and self.refuses(peer):
+                eng.fatal(PeerClosedError(
+                    f"rank {peer} exited: every rail to it failed (first: {why}) and it "
+                    f"refuses new connections on every rail"))
+                return
 
     def check(self, conn, now: float, stalled: float, limit: float,
               ti: Optional[TcpInfo] = None) -> None:
@@ -261,6 +298,8 @@ class Health:
             if now < self.next_probe.get(key, 0.0):
                 continue
             delay = self.backoff.get(key, PROBE_MIN)
+            if peer in eng.unreachable:
+                delay = min(delay, PROBE_UNREACHABLE)
             self.backoff[key] = min(PROBE_MAX, delay * 2)
             self.next_probe[key] = now + delay
             eng.events.emit("probe", peer=peer, rail=rail, next_in=delay)

@@ -468,6 +468,7 @@ class Rendezvous:
                 eng.dead.discard((peer, rail))
         conn.start()
         self.events.emit("rail_up", peer=peer, rail=rail, how=how)
+        eng.rail_restored(peer, rail)
         eng.report_rail("up", rail, peer)
         return True
 
@@ -481,6 +482,21 @@ class Rendezvous:
             except OSError:
                 return
             self.start_handshake(rail, s, addr, gate, REJOIN_ACCEPT)
+
+    def refuses(self, peer: int) -> bool:
+        """Whether ``peer`` refuses a connection on every rail: its listeners (open for the
+        Context's whole life) are gone, so its process is. A path that is merely broken
+        times out or is unreachable instead, which is not a refusal."""
+        for rail, dest in enumerate(self.infos[peer]["rails"]):
+            try:
+                s = self.transport.connect(rail, dest, 0.3, retry=False)
+            except ConnectionRefusedError:
+                continue
+            except OSError:
+                return False
+            s.close()
+            return False
+        return True
 
     def rejoin(self, peer: int, rail: int) -> None:
         """Reconnect a failed rail to a lower rank (called by the health thread); raises while

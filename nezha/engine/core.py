@@ -10,7 +10,7 @@ import time
 
 from ..config import Config
 from ..costs import ShareCosts
-from ..errors import CommTimeout, PeerClosedError
+from ..errors import AllRailsDownError, CommTimeout, PeerClosedError
 from .agreement import Agreement
 from .failover import Failover
 from .hedge import Hedging
@@ -32,6 +32,8 @@ class Engine(Receiving, Sending, Agreement, Failover, Hedging):
         self.conns: dict[tuple[int, int], object] = {}
         self.dead: set[tuple[int, int]] = set()
         self.gone: set[int] = set()
+        # peer -> (since, why): every rail to it failed; its chunks wait for one to come back
+        self.unreachable: dict[int, tuple[float, str]] = {}
         self.cond = threading.Condition()
         self.slots: dict[tuple, RecvSlot] = {}
         self.staged: dict[tuple, list] = {}
@@ -106,9 +108,21 @@ class Engine(Receiving, Sending, Agreement, Failover, Hedging):
                             f"waiting for {what}"))
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise self._fail_waiting(CommTimeout(
-                        f"rank {self.rank}: timed out after {self.timeout:g} s waiting for {what}"))
+                    raise self._fail_waiting(self._timed_out(what, peers))
                 self.cond.wait(min(left, 0.25))
+
+    def _timed_out(self, what: str, peers) -> BaseException:
+        """The error of a wait whose deadline passed (under cond): an unreachable peer (the
+        one waited for first) is the likely cause and is named with how long it was."""
+        waited = set(peers() if callable(peers) else peers)
+        gone = sorted(self.unreachable, key=lambda p: (p not in waited, p))
+        text = f"rank {self.rank}: timed out after {self.timeout:g} s waiting for {what}"
+        if not gone:
+            return CommTimeout(text)
+        since, why = self.unreachable[gone[0]]
+        return AllRailsDownError(
+            f"{text}: rank {gone[0]} unreachable for {time.monotonic() - since:.1f} s, every "
+            f"rail to it down (first: {why})")
 
     def _fail_waiting(self, exc: BaseException) -> BaseException:
         """``fatal(exc)`` from inside ``wait`` (which holds cond); returns exc to raise."""

@@ -1,11 +1,21 @@
 """Failover in the engine: a connection that fails moves its unacknowledged chunks to the
 surviving rails to the same peer (receivers accept a chunk from any rail and ignore repeats),
-tells every rank (agreement.py), and fails the communicator only when no rail to the peer
-is left or the failure was a protocol violation."""
+tells every rank (agreement.py), and fails the communicator only on a protocol violation.
+
+When the last rail to a peer fails, the peer is *unreachable*, not lost: its chunks are parked
+(unsent, unacknowledged) and the health thread keeps re-dialling; the first rail that comes
+back (``rail_restored``) carries them, and the collective goes on with exact results. A switch
+that reboots or a NIC reset (every rail of a host down for 1.5 s) used to end the job with
+AllRailsDownError although the collective's timeout was 30 s; one TCP connection would have
+retransmitted through it. The wait's deadline still bounds the outage (core.Engine.wait names
+how long the peer was unreachable), and a peer whose process is gone is told apart at once:
+every rail refuses a connection (health.py), which fails the job with PeerClosedError.
+"""
 from __future__ import annotations
 
-from ..errors import (AllRailsDownError, CommError, PeerAbortedError, PeerClosedError,
-                      ProtocolError)
+import time
+
+from ..errors import CommError, PeerAbortedError, ProtocolError
 
 
 class Failover:
@@ -51,23 +61,57 @@ class Failover:
             # prefer rails nobody reported down; a reported-down rail that still works for
             # this peer is better than giving up
             live = self.live_rails(peer) or self.live_rails(peer, data=False)
-            if live:
-                moved = self._reroute(peer, rail, live)
-            else:
-                moved = 0
-                self.gone.add(peer)
+            moved = self._reroute(peer, rail, live) if live else self._park(peer, rail)
+            if not live:
+                self.unreachable.setdefault(peer, (time.monotonic(), f"rail {rail}: {exc}"))
             self.cond.notify_all()
         self.events.emit("rail_down", peer=peer, rail=rail, reason=str(exc))
         if live and not self.closing:
             self.report_rail("down", rail, peer, conn)
-        if moved:
+        if moved and live:
             self.events.emit("rerouted", peer=peer, rail=rail, chunks=moved, to=live)
         if not live:
-            if isinstance(exc, PeerClosedError):
-                self.fatal(PeerClosedError(f"{exc} (no rail to rank {peer} is left)"))
-            else:
-                self.fatal(AllRailsDownError(f"all rails to rank {peer} failed; last on rail "
-                                             f"{rail}: {exc}"))
+            self.events.emit("peer_unreachable", peer=peer, rail=rail, parked=moved,
+                             reason=str(exc)[:300])
+
+    def _park(self, peer: int, rail: int) -> int:
+        """The last rail to ``peer`` failed: its unacknowledged copies are given up (under
+        cond) and wait, unsent, for a rail to come back. Returns how many chunks wait."""
+        parked = 0
+        for msg in self.sends.values():
+            if msg.dst != peer or msg.complete:
+                continue
+            for ch in msg.chunks:
+                self._settle(ch, rail)
+                if not ch.acked and not ch.out:
+                    ch.tries = 99      # no start-up sample from a chunk sent twice
+                    parked += 1
+        return parked
+
+    def rail_restored(self, peer: int, rail: int) -> None:
+        """A connection to ``peer`` on ``rail`` is up (rejoin): if the peer was unreachable,
+        the parked chunks go out on it (the split of later operations spreads again once the
+        rail agreement says so)."""
+        with self.cond:
+            since = self.unreachable.pop(peer, None)
+            if since is None:
+                return
+            conn = self.conns[(peer, rail)]
+            moved = 0
+            for msg in self.sends.values():
+                if msg.dst != peer or msg.complete:
+                    continue
+                for ch in msg.chunks:
+                    if ch.acked or ch.out:
+                        continue
+                    msg.left[ch.rail] -= 1
+                    msg.left[rail] = msg.left.get(rail, 0) + 1
+                    ch.rail = rail
+                    self._queue(conn, ch)
+                    moved += 1
+            self.cond.notify_all()
+        self.events.emit("peer_reachable", peer=peer, rail=rail, chunks=moved,
+                         outage_ms=round((time.monotonic() - since[0]) * 1e3, 1))
 
     def _reroute(self, peer: int, rail: int, live: list) -> int:
         """Deal the unacknowledged chunks to ``peer`` on ``rail`` round-robin over ``live``

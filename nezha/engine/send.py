@@ -51,8 +51,14 @@ class Sending:
             if self.error is not None:
                 raise self.error
             live = self.live_rails(dst) or self.live_rails(dst, data=False)
-            if not live:
+            if not live and dst not in self.unreachable:
                 raise AllRailsDownError(f"no live rail to rank {dst}")
+            if not live:     # parked until a rail comes back (failover.rail_restored)
+                self._cut(msg, [(0, 0, len(view))])
+                for ch in msg.chunks:
+                    ch.tries = 99
+                self.sends[key] = msg
+                return msg
             self._cut(msg, self.balancer.split(len(view), elem, live))
             self.sends[key] = msg
             # a start-up sample is only honest from a rail with nothing of ours before it

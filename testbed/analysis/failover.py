@@ -25,6 +25,7 @@ STALL_FRACTION = 0.3     # a bin is a traffic gap below this fraction of the act
 LEVEL_QUANTILE = 90      # the "active" level of a set of rails: this percentile of its bins
 PRE_WINDOW_S = 3.0       # how far before a fault its reference (pattern, share) is taken
 SETTLE_S = 0.5           # after a fault's end, excluded from steady-state shares
+TOGETHER_S = 0.1        # faults applied this close together are one event (their reference window)
 STEADY_S = 1.0           # stalls closer than this to each other belong to the same failover
 REROUTE_GRACE_S = 0.1    # after detection, rerouted work is queued within this: a later stall
                          # is not a wait for the failover
@@ -136,14 +137,16 @@ def shares(rates: Rates, mask: np.ndarray, rails: Sequence[str], floor_bps: floa
 
 def _pre_start(T: float, faults: Sequence[FaultRecord], windows: Sequence[Span]) -> float:
     """Start of the reference window before time T: PRE_WINDOW_S back, but not before the
-    workload began nor inside an earlier fault (its end + SETTLE_S)."""
+    workload began nor inside an earlier fault (its end + SETTLE_S). Faults applied within
+    TOGETHER_S of each other (every link of a host taken down at once) are one event: they
+    share the window before the first of them."""
     start = T - PRE_WINDOW_S
     wl = [w for w in windows if w[0] <= T]
     if wl:
         start = max(start, max(w[0] for w in wl))
     for f in faults:
         ta = f.t_applied
-        if ta is None or ta >= T - 1e-9:
+        if ta is None or ta >= T - TOGETHER_S:
             continue
         te = f.t_end
         start = max(start, (te if te is not None else ta) + SETTLE_S)

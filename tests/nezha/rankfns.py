@@ -206,8 +206,8 @@ def die_mid_op(rank, world, port, victim=1, nrails=2, timeout=5.0):
 
 def kill_rail_mid_op(rank, world, port, rail=1, count=4 << 20, iters=4, system="nezha",
                      events=None, how="kill", settle=0.0):
-    """A rail's connections break (or go silent) during a large allreduce: the result must
-    stay exact. Returns (bad iterations, chunks moved off each rail by failover or hedging,
+    """A rail's connections break (or go silent; ``how="kill-all"``: every rail to rank 1
+    breaks) during a large allreduce: the result must stay exact. Returns (bad iterations, chunks moved off each rail by failover or hedging,
     event names)."""
     bad = []
     ev = f"{events}.{rank}" if events else None
@@ -222,10 +222,11 @@ def kill_rail_mid_op(rank, world, port, rail=1, count=4 << 20, iters=4, system="
                 start = c.chunks_sent
                 while c.chunks_sent < start + 3:
                     time.sleep(0.0005)
-                if how == "kill":
-                    ctx._debug_kill_rail(1, rail)
-                else:
-                    ctx._debug_blackhole(1, rail)
+                for r in (range(2) if how == "kill-all" else [rail]):
+                    if how in ("kill", "kill-all"):
+                        ctx._debug_kill_rail(1, r)
+                    else:
+                        ctx._debug_blackhole(1, r)
             threading.Thread(target=watch, daemon=True).start()
         for it in range(iters):
             a = inputs[it]

@@ -41,19 +41,27 @@ def test_mismatched_broadcast_root():
     all_failed(res)
 
 
-@pytest.mark.parametrize("what", ["garbage", "badcrc", "overflow", "truncated"])
+@pytest.mark.parametrize("what", ["garbage", "badcrc", "overflow"])
 def test_bad_frames_from_a_peer(what):
     t0 = time.monotonic()
     res = run_ranks(rankfns.inject, 3, timeout=TIMEOUT * 3, what=what, victim=0, attacker=1)
     all_failed(res)
     msg = res[0][1].message
-    if what == "truncated":
-        assert "closed" in msg
-    elif what == "overflow":     # well-formed header, but not a chunk of anything posted
+    if what == "overflow":     # well-formed header, but not a chunk of anything posted
         assert res[0][1].isa("ProtocolError") or res[0][1].isa("MismatchError"), res[0][1]
     else:
         assert res[0][1].isa("ProtocolError"), res[0][1]
     assert time.monotonic() - t0 < TIMEOUT * 2.5
+
+
+def test_a_frame_cut_short_by_its_connection_closing_is_ridden_through():
+    """A frame that ends early because its connection closes is what a link failure in the
+    middle of a frame looks like (not a protocol violation): the rail's only connection
+    fails, the peer is unreachable for a moment, the rail is re-dialled and every rank gets
+    the exact result."""
+    res = run_ranks(rankfns.inject, 3, timeout=TIMEOUT * 3, what="truncated", victim=0,
+                    attacker=1)
+    assert {r: v for r, v in res.items()} == {r: (True, [3.0] * 4) for r in range(3)}, res
 
 
 def test_peer_dies_mid_operation():

@@ -23,6 +23,17 @@ def test_rail_fails_mid_allreduce_result_stays_exact_and_rail_rejoins(tmp_path, 
         assert any("rail_suspected" in v[2] for _, v in res.values())
 
 
+def test_every_rail_to_a_peer_breaking_at_once_is_ridden_through(tmp_path):
+    """No rail to rank 1 is left for a moment: rank 0's chunks wait (parked), the rails are
+    re-dialled, the chunks go out on the first one back and every result is exact."""
+    res = run_ranks(rankfns.kill_rail_mid_op, 2, timeout=60, iters=4, how="kill-all",
+                    events=str(tmp_path / "ev"), settle=0.5)
+    for r, (ok, v) in res.items():
+        assert ok, (r, v)
+        assert v[0] == [], (r, v[0])
+        assert "peer_unreachable" in v[2] and "peer_reachable" in v[2], (r, v[2])
+
+
 def test_silent_peer_fails_every_rank_within_timeout():
     import time
     t0 = time.monotonic()
@@ -31,3 +42,22 @@ def test_silent_peer_fails_every_rank_within_timeout():
         assert not ok and not isinstance(v, str), (r, v)
         assert v.isa("CommError"), (r, v)
     assert time.monotonic() - t0 < 15
+
+
+def test_a_wait_past_its_deadline_names_the_unreachable_peer():
+    """The outage outlasted the collective's timeout: the error says which peer and for how
+    long it was unreachable (not only that a wait timed out)."""
+    import time as _time
+
+    from nezha.balance import Balancer
+    from nezha.config import Config
+    from nezha.engine import Engine
+    from nezha.errors import AllRailsDownError, CommTimeout
+    from nezha.events import Events
+    eng = Engine(0, 3, 2, Balancer(2), Events(0, 2, None), Config(timeout=0.05))
+    with pytest.raises(CommTimeout):
+        eng.wait(lambda: False, "op 3 step 0 from rank 2", (2,))
+    eng = Engine(0, 3, 2, Balancer(2), Events(0, 2, None), Config(timeout=0.05))
+    eng.unreachable[1] = (_time.monotonic() - 2.5, "rail 1: link down")
+    with pytest.raises(AllRailsDownError, match=r"rank 1 unreachable for 2\.\d s.*link down"):
+        eng.wait(lambda: False, "op 3 step 0 from rank 2", (2,))
