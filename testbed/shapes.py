@@ -245,11 +245,11 @@ def goodput_factor(mtu: int) -> float:
 
 def burst_bits(rate_bps: float, mtu: int) -> float:
     """Goodput bits a rail's hop passes at once when its htb buckets are full: the bucket
-    (testbed.kernel.tc.htb_burst: 4 ms at the rate, at least two 64 KiB GSO skbs, so 107 ms
-    worth at 10 Mbit/s) x the goodput factor. A real NIC has no such bucket; the testbed's
-    shaper needs it to hold its rate with GSO (see tc.py)."""
-    from testbed.kernel.tc import htb_burst
-    return htb_burst(int(rate_bps), mtu) * 8 * goodput_factor(mtu)
+    (testbed.kernel.tc.htb_burst: 4 ms at the rate, at least two of the rail's GSO skbs, which
+    are 2 ms at its slowest link: 6.4 ms worth at 10 Mbit/s) x the goodput factor. A real NIC
+    has no such bucket; the testbed's shaper needs it to hold its rate with GSO (see tc.py)."""
+    from testbed.kernel.tc import gso_size, htb_burst
+    return htb_burst(int(rate_bps), mtu, gso_size(int(rate_bps), mtu)) * 8 * goodput_factor(mtu)
 
 
 def _fit_budget(rates: Sequence[float], hosts: int, budget: float) -> list[int]:

@@ -24,6 +24,7 @@ rails:
   - {name: r0, bandwidth: 50mbit}
   - {name: r1, bandwidth: 200mbit}
   - {name: r2, bandwidth: 500mbit}
+  - {name: r3, bandwidth: 10mbit}
 links:
   h3.r1: {bandwidth: 100mbit}
 """
@@ -47,7 +48,7 @@ def assert_rate(goodput: float, mbit: float) -> None:
 
 @pytest.mark.timing            # TCP rates measured over 3 s on a shared 2-core machine
 @pytest.mark.flaky(reruns=1, reruns_delay=2)
-@pytest.mark.parametrize("rail,mbit", [("r0", 50), ("r1", 200), ("r2", 500)])
+@pytest.mark.parametrize("rail,mbit", [("r0", 50), ("r1", 200), ("r2", 500), ("r3", 10)])
 def test_iperf3_measures_the_configured_rate(rates_fabric, rail, mbit):
     assert_rate(probes.iperf3(rates_fabric, "h1", "h2", rail, seconds=3), mbit)
 
@@ -59,6 +60,29 @@ def test_per_host_override_is_honoured(rates_fabric):
     assert_rate(probes.iperf3(rates_fabric, "h1", "h3", "r1", seconds=3), 100)
     assert_rate(probes.iperf3(rates_fabric, "h3", "h2", "r1", seconds=3), 100)
     assert_rate(probes.iperf3(rates_fabric, "h1", "h2", "r1", seconds=3), 200)  # the rail itself
+
+
+def test_slow_rails_pass_no_burst_a_real_link_would_not(rates_fabric):
+    """Every interface of a rail sends GSO skbs of at most 2 ms at the rail's slowest link, so
+    htb's bucket holds a few ms of the rate, not 107 ms of a 10 Mbit/s rail (testbed.kernel.tc);
+    a rail with one slow attachment sizes its skbs for that one."""
+    from testbed.kernel import tc
+    for name, gso in (("h1.r3", 2500), ("h2.r0", 12500), ("h1.r1", 25000), ("h3.r1", 25000),
+                      ("h1.r2", 65536)):
+        link = rates_fabric.links[name]
+        for end in (link.host_end, link.peer_end):
+            got = end.ipr.get_links(end.index)[0].get_attr("IFLA_GSO_MAX_SIZE")
+            assert got == gso, (name, got)
+        idx = link.host_end.index
+        cls = next(c for c in link.host_end.ipr.get_classes(index=idx)
+                   if c["handle"] == tc.CLASS_HANDLE)
+        burst = tc.decode_htb_class(cls)["burst"]
+        rate = link.up_shaper.read_back().rate_bps
+        assert burst == pytest.approx(tc.htb_burst(rate, 1500, gso), rel=0.02), (name, burst)
+    slow = rates_fabric.links["h1.r3"]
+    cls = next(c for c in slow.host_end.ipr.get_classes(index=slow.host_end.index)
+               if c["handle"] == tc.CLASS_HANDLE)
+    assert tc.decode_htb_class(cls)["burst"] * 8 / 10e6 < 0.010     # < 10 ms at 10 Mbit/s
 
 
 def test_status_reads_shaping_back_from_the_kernel(rates_fabric):

@@ -38,6 +38,13 @@ def test_htb_parameters():
     assert tc.fifo_limit(10 * MBIT) == 20
     kw = tc.htb_class_kwargs(200 * MBIT + 3)
     assert kw["rate"] == kw["ceil"] == 25_000_000 and kw["burst"] == kw["cburst"]
+    # GSO skbs of 2 ms at the rail's slowest link, one frame at least, 64 KiB at most; the
+    # bucket holds two of them: 6.4 ms at 10 Mbit/s instead of 107 ms with 64 KiB skbs
+    assert tc.gso_size(10 * MBIT) == 2500 and tc.gso_size(None) == 65536
+    assert tc.gso_size(1 * MBIT) == 1514 and tc.gso_size(1 * MBIT, 9000) == 9014
+    assert tc.gso_size(1000 * MBIT) == 65536
+    assert tc.htb_burst(10 * MBIT, 1500, tc.gso_size(10 * MBIT)) == 2 * (2500 + 1514)
+    assert tc.htb_class_kwargs(10 * MBIT, 1500, 2500)["burst"] == 8028
 
 
 def test_netem_message_round_trip():
@@ -369,7 +376,7 @@ def test_readback_mismatch_is_refused(pair, shaper, monkeypatch):
     # the kernel "silently" keeps another rate: simulate by lying about what we send
     real = tc.htb_class_kwargs
     monkeypatch.setattr(tc, "htb_class_kwargs",
-                        lambda rate, mtu=1500: real(rate // 2, mtu))
+                        lambda rate, mtu=1500, gso=65536: real(rate // 2, mtu, gso))
     with pytest.raises(ShapingMismatch) as exc:
         shaper.change(Shape(rate_bps=80 * MBIT))
     assert "h1.r0:up" in str(exc.value) and "80000000" in str(exc.value) \

@@ -18,7 +18,7 @@ from typing import Callable, Optional, Sequence
 
 from pyroute2 import IPRoute
 
-from testbed.kernel import netns
+from testbed.kernel import netns, tc
 from testbed.kernel.capabilities import Capabilities, probe
 from testbed.errors import FabricError
 from testbed.fabric.shaper import DirectionShaper
@@ -293,6 +293,7 @@ class Fabric:
         """Handles, shaping (read back), addresses, link up: the same for every backend."""
         topo = self.topo
         self._bind()
+        self._set_gso()
         for link in self._cables():
             checkpoint()
             link.up_shaper.apply(link.shape, new_link=True)
@@ -305,6 +306,31 @@ class Fabric:
             link.set_state(True)
         self.progress(f"{len(self.links)} links shaped and addressed")
         self._wait_operational()
+
+    def _rail_gso(self, rail: str) -> int:
+        """gso_max_size for every interface of ``rail``: from its slowest link (tc.gso_size)."""
+        links = [self.topo.link(h, rail) for h in self.topo.hosts]
+        rates = [lk.shape.rate_bps for lk in links if lk.shape.rate_bps]
+        return tc.gso_size(min(rates) if rates else None, max(lk.mtu for lk in links))
+
+    def _set_gso(self) -> None:
+        """Cap the GSO skbs on every end of every link at the rail's size, read back, so htb's
+        buckets can be small (testbed.kernel.tc). A kernel that keeps 64 KiB gets buckets for
+        64 KiB skbs (what the shapers then assume), never a bucket too small for its skbs."""
+        for link in self.links.values():
+            gso = link.up_shaper.gso
+            if gso >= tc.GSO_MAX_SIZE:
+                continue
+            for end in (link.host_end, link.peer_end):
+                try:
+                    end.ipr.link("set", index=end.index, gso_max_size=gso)
+                    got = end.ipr.get_links(end.index)[0].get_attr("IFLA_GSO_MAX_SIZE")
+                except Exception:   # noqa: BLE001 - an old kernel: keep the default, say so
+                    got = None
+                if got != gso:
+                    self.progress(f"{link.name}: the kernel keeps gso_max_size {got} (asked "
+                                  f"{gso}): htb buckets sized for 64 KiB skbs")
+                    link.up_shaper.gso = link.down_shaper.gso = tc.GSO_MAX_SIZE
 
     def _peer_of(self, host: str, rail: str) -> tuple[str, Optional[str]]:
         """Where the other end of a host's rail veth lives: (namespace, name there). With direct
@@ -325,6 +351,7 @@ class Fabric:
                                  {r.name: topo.address(h, r.name) for r in topo.rails})
         for rail in topo.rails:
             links = []
+            gso = self._rail_gso(rail.name)
             for h in topo.hosts:
                 host = self.hosts[h]
                 peer_ns, peer_if = self._peer_of(h, rail.name)
@@ -333,10 +360,11 @@ class Fabric:
                 peer_end = _intf(peer_ns, peer_if, self._ipr[peer_ns])
                 mtu = topo.link(h, rail.name).mtu
                 up = DirectionShaper(host.ipr, host.ns, rail.name, peer_end.ipr, peer_ns, peer_if,
-                                     self.caps, mtu=mtu, name=f"{h}.{rail.name} (to switch)")
+                                     self.caps, mtu=mtu, name=f"{h}.{rail.name} (to switch)",
+                                     gso=gso)
                 down = DirectionShaper(peer_end.ipr, peer_ns, peer_if, host.ipr, host.ns,
                                        rail.name, self.caps, mtu=mtu,
-                                       name=f"{h}.{rail.name} (from switch)")
+                                       name=f"{h}.{rail.name} (from switch)", gso=gso)
                 link = Link(f"{h}.{rail.name}", h, rail.name, host_end, peer_end,
                             topo.link(h, rail.name).shape, up, down)
                 self.links[link.name] = link

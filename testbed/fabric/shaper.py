@@ -66,11 +66,13 @@ class DirectionShaper:
 
     def __init__(self, egress, egress_ns: str, egress_if: str, ingress, ingress_ns: str,
                  ingress_if: str, caps: Capabilities, mtu: int = 1500,
-                 name: Optional[str] = None, per_packet_loss: bool = True) -> None:
+                 name: Optional[str] = None, per_packet_loss: bool = True,
+                 gso: int = tc.GSO_MAX_SIZE) -> None:
         self.egress, self.egress_ns, self.egress_if = egress, egress_ns, egress_if
         self.ingress, self.ingress_ns, self.ingress_if = ingress, ingress_ns, ingress_if
         self.caps = caps
         self.mtu = mtu
+        self.gso = gso        # the largest skb that reaches this queue (sizes htb's bucket)
         self.name = name or f"{egress_ns}/{egress_if}->{ingress_ns}/{ingress_if}"
         self.chain = "loss_" + re.sub(r"[^A-Za-z0-9_]", "_", ingress_if)
         self.shape: Optional[Shape] = None        # last shape verified in the kernel
@@ -123,7 +125,7 @@ class DirectionShaper:
             if root == "htb":
                 if shape.rate_bps != old.rate_bps:
                     self._tc("change-class", "htb", idx, CLASS_HANDLE,
-                             **tc.htb_class_kwargs(shape.rate_bps, self.mtu))
+                             **tc.htb_class_kwargs(shape.rate_bps, self.mtu, self.gso))
                 if leaf == "netem":
                     self._tc("change", "netem", idx, LEAF_HANDLE, parent=CLASS_HANDLE,
                              **tc.netem_kwargs(shape, self.mtu))
@@ -136,7 +138,7 @@ class DirectionShaper:
         elif old_root == root == "htb":      # only the leaf kind changes (pfifo <-> netem)
             if shape.rate_bps != old.rate_bps:
                 self._tc("change-class", "htb", idx, CLASS_HANDLE,
-                         **tc.htb_class_kwargs(shape.rate_bps, self.mtu))
+                         **tc.htb_class_kwargs(shape.rate_bps, self.mtu, self.gso))
             self._tc("del", old_leaf, idx, LEAF_HANDLE, parent=CLASS_HANDLE)
             self._add_leaf(idx, shape, leaf)
         else:                                # htb <-> netem root <-> nothing: rebuild
@@ -284,7 +286,7 @@ class DirectionShaper:
         if root == "htb":
             self._tc("add", "htb", idx, HTB_HANDLE, default=CLASS_HANDLE & 0xFFFF)
             self._tc("add-class", "htb", idx, CLASS_HANDLE,
-                     **tc.htb_class_kwargs(shape.rate_bps, self.mtu))
+                     **tc.htb_class_kwargs(shape.rate_bps, self.mtu, self.gso))
             self._add_leaf(idx, shape, leaf)
         else:
             self._tc("add", "netem", idx, LEAF_HANDLE, parent=TC_H_ROOT,

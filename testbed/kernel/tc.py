@@ -5,10 +5,17 @@ times in microseconds, dumped times in psched ticks), plus two thin netlink help
 to build on which interface is the shaper's business (testbed.fabric.shaper).
 
 Choices (measured on veth with GSO/TSO on, iperf3 TCP, see tests/test_shaping.py):
-  * htb burst = cburst = max(4 ms at the rate, 2 x (64 KiB GSO skb + MTU + 14)). veth passes
-    64 KiB GSO skbs; a bucket smaller than two of them loses credit whenever the queue drains for
-    a moment and the measured rate falls 3-8 % short at 500 Mbit/s. GSO stays on: turning it off
-    made htb *less* accurate (and costs CPU).
+  * htb burst = cburst = max(4 ms at the rate, 2 x (GSO skb + MTU + 14)). veth passes GSO
+    skbs of up to the interface's gso_max_size; a bucket smaller than two of them loses credit
+    whenever the queue drains for a moment and the measured rate falls 3-8 % short at 500
+    Mbit/s. GSO stays on: turning it off made htb *less* accurate (and costs CPU).
+  * gso_max_size of every interface on a rail = 2 ms at the rail's slowest link rate, between
+    MTU + 14 and 64 KiB (``gso_size``). With 64 KiB skbs everywhere the bucket was at least
+    134 KB: 107 ms at 10 Mbit/s, so a rail that idled a moment passed its next 134 KB at veth
+    speed, a burst no real 10 Mbit/s link has. A balancer that measures per-message rates saw
+    such rails 2-4x faster than they are. With 2.5 KB skbs the bucket at 10 Mbit/s is 8 KB
+    (6.4 ms); iperf3 over 6 s measured 1.00x the TCP bound at 10, 25 and 50 Mbit/s, 0.994x at
+    100 and 0.995x at 200 Mbit/s (64 KiB skbs: 1.018x at 10 Mbit/s, the bucket's burst).
   * quantum = 1 ms worth of bytes at the rate, clamped to [MTU + 14, 200000] (one class only,
     so it merely avoids htb's "quantum is big" warning).
   * leaf pfifo, limit = max(20, 10 ms at the rate in MTU-sized packets): drop-tail, no AQM,
@@ -33,6 +40,7 @@ LEAF_HANDLE = 0x100000    # 10:
 
 ETH_HLEN = 14
 GSO_MAX_SIZE = 65536
+GSO_TIME_S = 0.002
 BURST_TIME_S = 0.004
 QUANTUM_TIME_S = 0.001
 QUEUE_TIME_S = 0.010
@@ -47,9 +55,18 @@ def handle_text(h: int) -> str:
 
 
 # ---- parameter choices (pure, unit-tested) --------------------------------------------------
-def htb_burst(rate_bps: int, mtu: int = 1500) -> int:
-    """Bytes of htb bucket: 4 ms at the rate, but never less than two full GSO skbs."""
-    return max(math.ceil(rate_bps / 8 * BURST_TIME_S), 2 * (GSO_MAX_SIZE + mtu + ETH_HLEN))
+def gso_size(rate_bps: Optional[int], mtu: int = 1500) -> int:
+    """gso_max_size for the interfaces of a rail whose slowest link runs at ``rate_bps``:
+    2 ms at that rate, at least one frame, at most 64 KiB (unshaped: 64 KiB)."""
+    if not rate_bps:
+        return GSO_MAX_SIZE
+    return int(min(GSO_MAX_SIZE, max(mtu + ETH_HLEN, math.ceil(rate_bps / 8 * GSO_TIME_S))))
+
+
+def htb_burst(rate_bps: int, mtu: int = 1500, gso: int = GSO_MAX_SIZE) -> int:
+    """Bytes of htb bucket: 4 ms at the rate, but never less than two full GSO skbs (``gso``:
+    the largest skb that reaches the queue)."""
+    return max(math.ceil(rate_bps / 8 * BURST_TIME_S), 2 * (gso + mtu + ETH_HLEN))
 
 
 def htb_quantum(rate_bps: int, mtu: int = 1500) -> int:
@@ -74,10 +91,10 @@ def netem_limit(shape: Shape, mtu: int = 1500) -> int:
                             + math.ceil(2 * in_flight)))
 
 
-def htb_class_kwargs(rate_bps: int, mtu: int = 1500) -> dict:
+def htb_class_kwargs(rate_bps: int, mtu: int = 1500, gso: int = GSO_MAX_SIZE) -> dict:
     """pyroute2 keyword arguments for class 1:10 (rates in bytes/s as pyroute2 takes ints)."""
     rate = max(1, rate_bps // 8)
-    burst = htb_burst(rate_bps, mtu)
+    burst = htb_burst(rate_bps, mtu, gso)
     return {"parent": HTB_HANDLE, "rate": rate, "ceil": rate, "burst": burst, "cburst": burst,
             "quantum": htb_quantum(rate_bps, mtu), "mtu": mtu + ETH_HLEN}
 
