@@ -12,9 +12,10 @@ under this rank's weights after the step, computed outside the timed span. It de
 weights only, so it is identical on every rank exactly when the replicas are identical, and
 equal to a fault-free run's exactly when the faults changed no bit of training.
 
-Data (``synthetic``): every rank draws the step's global batch from a generator seeded by
-(seed, step) and trains on its own shard; labels come from a fixed random teacher, so the
-loss falls. One thread per rank: ranks share the machine's cores, and a fixed thread count
+Data (``synthetic``): a fixed pool of POOL_BATCHES global batches of random inputs, labelled
+by a fixed random linear teacher (all from ``seed``); every rank draws the step's global batch
+from the pool with a generator seeded by (seed, step) and trains on its own shard. A small
+pool, so the loss falls visibly within a few dozen steps. One thread per rank: ranks share the machine's cores, and a fixed thread count
 keeps the forward passes' bits the same on every rank.
 """
 from __future__ import annotations
@@ -35,7 +36,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 CLASSES = 10
 IMAGE = (1, 28, 28)        # convnet's synthetic images
 MLP_LAYERS = 4             # hidden width x width layers of the mlp
-LR = 0.05
+LR, MOMENTUM = 0.05, 0.9
+POOL_BATCHES = 4           # the synthetic data set: this many global batches of samples
 
 
 def mlp(params: int) -> tuple[torch.nn.Module, tuple[int, ...]]:
@@ -96,14 +98,16 @@ class Synthetic:
     """The global batch of every step, the same on every rank; labels from a fixed teacher."""
 
     def __init__(self, seed: int, shape: tuple[int, ...], batch: int, world: int) -> None:
-        self.seed, self.shape, self.batch, self.world = seed, shape, batch, world
+        self.seed, self.batch, self.world = seed, batch, world
         g = torch.Generator().manual_seed(seed * 7919 + 1)
-        self.teacher = torch.randn(math.prod(shape), CLASSES, generator=g)
+        teacher = torch.randn(math.prod(shape), CLASSES, generator=g)
+        self.x = torch.randn(POOL_BATCHES * batch * world, *shape, generator=g)
+        self.y = (self.x.flatten(1) @ teacher).argmax(dim=1)
 
     def global_batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
-        x = torch.randn(self.batch * self.world, *self.shape, generator=g)
-        return x, (x.flatten(1) @ self.teacher).argmax(dim=1)
+        idx = torch.randperm(len(self.x), generator=g)[:self.batch * self.world]
+        return self.x[idx], self.y[idx]
 
     def shard(self, x: torch.Tensor, y: torch.Tensor, rank: int
               ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -117,7 +121,7 @@ def train(args: argparse.Namespace, rank: int, world: int, out) -> None:
     torch.manual_seed(args.seed)
     module, shape = MODELS[args.model](args.params)
     ddp = DDP(module)
-    opt = torch.optim.SGD(ddp.parameters(), lr=LR)
+    opt = torch.optim.SGD(ddp.parameters(), lr=LR, momentum=MOMENTUM)
     data = Synthetic(args.seed, shape, args.batch, world)
     lossf = torch.nn.functional.cross_entropy
     if rank == 0:
