@@ -349,8 +349,8 @@ def plot_train(path: Path, topo, metrics: Metrics, faults: Sequence[FaultRecord]
     ax_t.set_ylabel("step time, slowest rank (ms)")
     ax_t.set_xlabel("step")
     ax_t.set_ylim(bottom=0)
-    ax_l.set_title(f"{topo.name}: DDP training, {tr['world']} ranks (shaded: steps during a "
-                   "fault)")
+    ax_l.set_title(f"{topo.name}: DDP training, {tr['world']} ranks"
+                   + (" (shaded: steps during a fault)" if faults else ""))
     for ax in (ax_l, ax_t):
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
