@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
 from testbed.model.records import IterationRecord, Metrics, is_num
+from testbed.model.scenario import Workload
 
 TRAIN_METRICS = ("step_time_ms", "samples_per_s", "loss_final", "loss_matches_reference")
 
@@ -88,7 +89,7 @@ def timing(rounds: list[list[Step]], world: int, warmup: int) -> tuple[Optional[
     return ms, (samples / span if span > 0 else None)
 
 
-def reference_losses(workload, reference: Sequence[IterationRecord], world: int
+def reference_losses(workload: Workload, reference: Sequence[IterationRecord], world: int
                      ) -> tuple[dict[str, list[Optional[float]]], str]:
     """{backend: per-step reference loss (None: not agreed or not complete)} and, when there is
     none, why."""
@@ -124,7 +125,7 @@ def matches(rounds: list[list[Step]], ref: Optional[list[Optional[float]]], worl
     return True, ""
 
 
-def _by_backend(by: dict, ref: dict, world: int, w, t0: float) -> dict:
+def _by_backend(by: dict, ref: dict, world: int, w: Workload, t0: float) -> dict:
     """Per backend: the figures, the match, and per round the step series the plot draws."""
     out = {}
     for b, rounds in by.items():
@@ -143,7 +144,7 @@ def _by_backend(by: dict, ref: dict, world: int, w, t0: float) -> dict:
     return out
 
 
-def train_metrics(m: Metrics, workload, iterations: Sequence[IterationRecord],
+def train_metrics(m: Metrics, workload: Workload, iterations: Sequence[IterationRecord],
                   reference: Sequence[IterationRecord], world: int, t0: float) -> None:
     """Fill the four train metrics of ``m`` (None with a note when not measured) and
     ``m.detail['train']``."""
@@ -174,7 +175,7 @@ def train_metrics(m: Metrics, workload, iterations: Sequence[IterationRecord],
     _match(m, workload, detail, why_no_ref)
 
 
-def _match(m: Metrics, workload, detail: dict, why_no_ref: str) -> None:
+def _match(m: Metrics, workload: Workload, detail: dict, why_no_ref: str) -> None:
     """loss_matches_reference over every backend the workload lists."""
     if why_no_ref:
         m.notes["loss_matches_reference"] = why_no_ref

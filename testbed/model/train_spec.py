@@ -37,7 +37,7 @@ def parse_params(value: Any, field_: str) -> int:
         n = float(m.group(1)) * {"": 1, "k": 1e3, "m": 1e6}[m.group(2).lower()]
     if n is None or not MIN_PARAMS <= n <= MAX_PARAMS:
         raise SpecError(field_, f"{quote(value)} is not accepted",
-                        f"a parameter count from 10k to 64M, e.g. 4M, 500k or 1000000")
+                        "a parameter count from 10k to 64M, e.g. 4M, 500k or 1000000")
     return int(n)
 
 
