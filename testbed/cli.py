@@ -59,8 +59,13 @@ def cmd_validate(args) -> int:
     overrides = [l for l in topo.links.values() if l.shape != topo.rail(l.rail).shape]
     for l in overrides:
         print(f"  link {l.name}: {l.shape.describe()}")
-    if sc.workload:
-        print(f"  workload: {sc.workload.kind}")
+    w = sc.workload
+    if w and w.kind == "train":
+        size = f", {w.params} parameters" if w.model == "mlp" else ""
+        print(f"  workload: train {w.model}{size}, {w.steps} steps of batch {w.batch}, "
+              f"backends {', '.join(w.backends)}, reference {w.reference}")
+    elif w:
+        print(f"  workload: {w.kind}")
     for f in sc.faults:
         print(f"  fault at {f.at:g}s: {f.label}" + (f" for {f.duration:g}s" if f.duration else ""))
     for e in sc.expect:

@@ -30,6 +30,7 @@ from testbed.analysis.competing import competing_bps, flows_detail, workload_bps
 from testbed.analysis.failover import SETTLE_S, shares
 from testbed.analysis.faults import FaultTallies, analyse_faults
 from testbed.analysis.sampler import Rates, Samples
+from testbed.analysis.training import TRAIN_METRICS, train_metrics
 from testbed.model.records import (FaultRecord, FlowRecord, IterationRecord, Metrics,
                                    as_iterations, is_num)
 from testbed.model.scenario import METRICS, SHARE_PREFIX, sized_metric
@@ -166,6 +167,8 @@ def _main_system(scenario, table: Sequence[dict]) -> Optional[str]:
         return "nezha" if "nezha" in (w.systems or ()) else (w.systems[0] if w.systems else None)
     if w.kind == "command":
         return "command"
+    if w.kind == "train":
+        return "nezha" if "nezha" in w.backends else w.backends[0]
     return w.system
 
 
@@ -216,7 +219,7 @@ def _world(topo, scenario, extra: dict) -> Optional[int]:
 def _iteration_metrics(run: _Run, m: Metrics, counts: dict) -> None:
     """iterations, iterations_lost, wrong_results (see ``iteration_counts``)."""
     w = getattr(run.scenario, "workload", None)
-    if not run.table and (w is None or w.kind in ("command", "none")):
+    if not run.table and (w is None or w.kind in ("command", "train", "none")):
         for k in ("iterations", "iterations_lost", "wrong_results"):
             m.notes[k] = "the workload writes no iteration records"
         return
@@ -274,6 +277,19 @@ def _rank_errors(run: _Run, m: Metrics) -> None:
     m.values["rank_errors"] = rank_err if is_num(rank_err) else None
     if m.values["rank_errors"] is None:
         m.notes["rank_errors"] = "the runner reported no rank exit status"
+
+
+def _train(run: _Run, m: Metrics) -> None:
+    """step_time_ms, samples_per_s, loss_final, loss_matches_reference (training.py);
+    ``extra['train_reference']``: the lines of the fault-free reference run, if one ran."""
+    w = getattr(run.scenario, "workload", None)
+    if w is None or w.kind != "train":
+        for k in TRAIN_METRICS:
+            m.notes[k] = "only measured for a train workload"
+        return
+    world = _world(run.topo, run.scenario, run.extra) or 1
+    train_metrics(m, w, run.iterations, as_iterations(run.extra.get("train_reference") or ()),
+                  world, run.t0)
 
 
 def _steady_mask(rates: Rates, wl: np.ndarray, faults: Sequence[FaultRecord]) -> np.ndarray:
@@ -414,6 +430,8 @@ def compute(topo, scenario, samples: Optional[Samples],
     * busbw_vs_rail_sum = busbw_mbps / sum over rails of their nominal rate (slowest link of
       each rail), None if a rail is unshaped.
     * rank_errors = ``extra['rank_errors']`` (a count, or a list whose length is taken).
+    * step_time_ms, samples_per_s, loss_final, loss_matches_reference (train): see
+      training.py.
     * adaptation_ms: see ``adaptation.adaptation``; worst over the changes (start and end of a
       rate or traffic fault, end of a rail-removing one). ``flows``: the traffic faults'
       competing flows (their goodput is shown apart: ``detail.goodput.competing_mbps``).
@@ -437,6 +455,7 @@ def compute(topo, scenario, samples: Optional[Samples],
                 "busbw_by_system": bw,
                 "nominal_mbps": {r: (v / 1e6 if v else None) for r, v in run.nominal.items()},
                 "counts": counts, "sampler": _sampler_detail(samples)}
+    _train(run, m)
     _timeline_metrics(run, m, samples, events, faults, flows, windows)
     return m
 

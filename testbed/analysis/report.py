@@ -12,6 +12,10 @@
                           the capacity (from the shape and the fault schedule), when Nezha ran
   latency.png             iteration latency over time, wrong results marked
   busbw.png               bus bandwidth by message size per system (compare/sweep only)
+  train.png               train: loss and step time per step, one line per backend, the
+                          reference's losses dashed, the steps a fault overlapped shaded
+  train_losses.json       train: {backend: [loss of each step]} (last round), usable as
+                          another run's ``reference: PATH``
 """
 from __future__ import annotations
 
@@ -117,6 +121,8 @@ def _write_plots(out: Path, run: RunResults, t0: float) -> dict[str, Path]:
                "latency": plot_latency(out / "latency.png", m, run.faults, t0)}
     if (m.detail.get("split") or {}).get("nezha"):
         written["split"] = plot_split(out / "split.png", run.topo, m, run.faults, t0)
+    if m.detail.get("train"):
+        written["train"] = plot_train(out / "train.png", run.topo, m, run.faults, t0)
     bw = m.detail.get("busbw_by_system") or {}
     if run.phases or len(bw) > 1 or any(len(v) > 1 for v in bw.values()):
         written["busbw"] = plot_busbw(out / "busbw.png", run.topo, m)
@@ -132,6 +138,8 @@ def write(results_dir, run: RunResults) -> dict:
     written = _write_data(out, run, t0)
     written.update(_write_plots(out, run, t0))
     m = run.metrics
+    if m.detail.get("train"):
+        written["train_losses"] = write_train_losses(out / "train_losses.json", m)
     p = out / "results.json"
     doc = {"topology": run.topo.name, "t0": t0, "metrics": dict(m.values), "notes": m.notes,
            "verdict": run.verdict.to_dict(),
@@ -278,6 +286,75 @@ def plot_split(path: Path, topo, metrics: Metrics, faults: Sequence[FaultRecord]
                  f"rails' capacity share; band = +-10 %")
     ax.grid(alpha=0.3)
     ax.legend(loc="center right", fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def write_train_losses(path: Path, metrics: Metrics) -> Path:
+    """{backend: [loss per step]} of each backend's last round (None: ranks disagreed)."""
+    by = metrics.detail["train"]["backends"]
+    doc = {b: [s["loss"] if s["ranks_agree"] else None for s in d["rounds"][-1]]
+           for b, d in by.items() if d["rounds"]}
+    path.write_text(json.dumps(doc, indent=1))
+    return path
+
+
+def _fault_steps(ax, faults: Sequence[FaultRecord], rounds: list[list[dict]], t0: float,
+                 t_max: float) -> None:
+    """Shade the steps (x = step) whose time overlapped a fault, in the fault's colour."""
+    colours = ["tab:red", "tab:purple", "tab:brown", "tab:olive", "tab:pink"]
+    for i, f in enumerate(sorted((f for f in faults if f.t_applied is not None),
+                                 key=lambda f: f.t_applied)):
+        a = f.t_applied - t0
+        b = (f.t_end - t0) if f.t_end is not None else t_max
+        label = f"{f.label or f.action} @ {a:.2f}s"
+        for steps in rounds:
+            hit = [s["step"] for s in steps if s["t_end_rel"] >= a and s["t_start_rel"] <= b]
+            if hit:
+                ax.axvspan(min(hit) - 0.5, max(hit) + 0.5, color=colours[i % len(colours)],
+                           alpha=0.15, lw=0, label=label)
+                label = None
+
+
+def plot_train(path: Path, topo, metrics: Metrics, faults: Sequence[FaultRecord],
+               t0: float) -> Path:
+    """Loss (top) and the slowest rank's step time (bottom) per step, one line per backend
+    (each round), the reference's losses dashed; steps during a fault shaded."""
+    import matplotlib.pyplot as plt
+    tr = metrics.detail["train"]
+    fig, (ax_l, ax_t) = plt.subplots(2, 1, figsize=(11, 6.4), dpi=110, sharex=True)
+    t_max = max([s["t_end_rel"] for d in tr["backends"].values() for r in d["rounds"]
+                 for s in r] or [1.0])
+    for i, (b, d) in enumerate(sorted(tr["backends"].items())):
+        c = f"C{i}"
+        for k, steps in enumerate(d["rounds"]):
+            lab = b if k == 0 else None
+            ax_l.plot([s["step"] for s in steps], [s["loss"] for s in steps], ".-", color=c,
+                      lw=1, ms=3, label=lab)
+            ax_t.plot([s["step"] for s in steps], [s["step_ms"] for s in steps], ".-", color=c,
+                      lw=1, ms=3, label=f"{b}: median {d['step_time_ms']:.0f} ms"
+                      if lab and d["step_time_ms"] is not None else lab)
+        if d.get("reference"):
+            ax_l.plot(range(len(d["reference"])), d["reference"], "--", color=c, lw=1.5,
+                      alpha=0.5, label=f"{b}: reference")
+    rounds = [r for d in tr["backends"].values() for r in d["rounds"]]
+    for ax in (ax_l, ax_t):
+        _fault_steps(ax, faults, rounds, t0, t_max)
+    if tr.get("warmup"):
+        ax_t.axvspan(-0.5, tr["warmup"] - 0.5, color="0.85", alpha=0.5, lw=0,
+                     label="warm-up (not in the median)")
+    ax_l.set_ylabel("loss (global batch)")
+    ax_t.set_ylabel("step time, slowest rank (ms)")
+    ax_t.set_xlabel("step")
+    ax_t.set_ylim(bottom=0)
+    ax_l.set_title(f"{topo.name}: DDP training, {tr['world']} ranks"
+                   + (" (shaded: steps during a fault)" if faults else ""))
+    for ax in (ax_l, ax_t):
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8, loc="upper right")
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)

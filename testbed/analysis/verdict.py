@@ -26,8 +26,8 @@ def judge(expectations: Sequence[Expectation], metrics: Metrics) -> Verdict:
     notes = metrics.notes
     rows = []
     for e in expectations:
-        value = metrics.get(e.metric)
-        if isinstance(value, bool):
+        measured = value = metrics.get(e.metric)
+        if isinstance(value, bool):     # loss_matches_reference: true holds as 1..1
             value = int(value)
         ok = e.holds(value) if isinstance(value, (int, float)) or value is None else False
         note = ""
@@ -35,5 +35,5 @@ def judge(expectations: Sequence[Expectation], metrics: Metrics) -> Verdict:
             note = _why_not_measured(e.metric, notes)
         elif e.metric in notes:
             note = notes[e.metric]
-        rows.append(Row(e.metric, e.describe(), value, bool(ok), note))
+        rows.append(Row(e.metric, e.describe(), measured, bool(ok), note))
     return Verdict(rows)

@@ -333,7 +333,7 @@ class Metrics(Mapping):
 
 # ------------------------------------------------------------------------------------ verdict
 UNITS = {"failover_ms": "ms", "detection_ms": "ms", "recovery_ms": "ms", "adaptation_ms": "ms",
-         "busbw_mbps": "Mbit/s"}
+         "busbw_mbps": "Mbit/s", "step_time_ms": "ms", "samples_per_s": "samples/s"}
 
 
 def format_value(metric: str, value: Any) -> str:
@@ -341,7 +341,7 @@ def format_value(metric: str, value: Any) -> str:
     if value is None:
         return "not measured"
     if isinstance(value, bool):
-        return str(value)
+        return str(value).lower()     # as an expectation writes it: true / false
     if isinstance(value, int):
         return str(value)
     if isinstance(value, float):

@@ -11,12 +11,13 @@ from typing import Any, Optional
 
 from nezha.kinds import ALL_SYSTEMS as SYSTEMS, DTYPES, OPS
 from testbed.errors import SpecError, quote
+from testbed.model.train_spec import TRAIN_KEYS, parse_train
 from testbed.model.units import (MAX_CAPTURE_MB, MAX_COUNT, MAX_DELAY_S, MAX_FLAP_STEPS,
                                  MAX_PHASES, MAX_ROUNDS, MIN_FLAP_PERIOD_S, format_duration,
                                  format_rate, format_size, parse_duration, parse_percent,
                                  parse_rate, parse_size)
 
-WORKLOAD_KINDS = ("allreduce", "sweep", "compare", "command", "none")
+WORKLOAD_KINDS = ("allreduce", "sweep", "compare", "command", "train", "none")
 ENDS = ("host", "switch", "both")
 PROTOS = ("tcp", "udp")      # a traffic fault's flows
 
@@ -47,7 +48,13 @@ METRICS: dict[str, str] = {
     "rank_errors": "ranks that exited with an error",
     "adaptation_ms": "ms from a rail's change (rate, traffic, return) until Nezha's split is "
                      "within 10 % of the new optimum split (worst change)",
+    "step_time_ms": "train: median over the steps after warm-up of the slowest rank's step, ms",
+    "samples_per_s": "train: samples of all ranks per second over the steps after warm-up",
+    "loss_final": "train: the loss of the last step",
+    "loss_matches_reference": "train: every rank's loss at every step equals the other ranks' "
+                              "and the reference's (1 true, 0 false)",
 }
+BOOL_METRICS = ("loss_matches_reference",)   # expect: {loss_matches_reference: true}
 SHARE_PREFIX = "rail_share."   # rail_share.r0: {min: 0.7, max: 0.8}
 SIZED_PREFIX = "busbw_vs_single_rail."   # busbw_vs_single_rail.16MiB: {min: 1.8} (compare)
 
@@ -93,6 +100,16 @@ class Workload:
     hosts: tuple[str, ...] = ()
     command: tuple[str, ...] = ()
     timeout: float = 120.0
+    # kind: train (testbed/model/train_spec.py)
+    model: str = "mlp"
+    params: int = 1_000_000
+    steps: int = 20
+    batch: int = 8
+    backends: tuple[str, ...] = ("nezha",)
+    seed: int = 0
+    data: str = "synthetic"
+    reference: str = "auto"              # auto | none | a path
+    reference_losses: tuple[tuple[str, tuple[float, ...]], ...] = ()   # from the path
 
 
 @dataclass(frozen=True)
@@ -107,6 +124,8 @@ class Expectation:
         return (self.min is None or value >= self.min) and (self.max is None or value <= self.max)
 
     def describe(self) -> str:
+        if self.metric in BOOL_METRICS and self.min == self.max:
+            return "true" if self.min else "false"
         if self.min is not None and self.max is not None:
             return f"{self.min:g}" if self.min == self.max else f"{self.min:g}..{self.max:g}"
         return f">= {self.min:g}" if self.min is not None else f"<= {self.max:g}"
@@ -180,9 +199,9 @@ def _workload_amounts(raw: dict, kind: str, f: str) -> dict[str, Any]:
     elif kind in ("compare", "sweep"):
         kw["warmup"] = 1          # a fresh process's first op pays for TCP slow start
     if "rounds" in raw:
-        if kind != "compare":
-            raise SpecError(f"{f}.rounds", f"only used with kind: compare (kind is {kind})",
-                            "kind: compare, or no rounds key")
+        if kind not in ("compare", "train"):
+            raise SpecError(f"{f}.rounds", f"only used with kind: compare or train (kind is "
+                            f"{kind})", "kind: compare, or no rounds key")
         kw["rounds"] = _int(raw["rounds"], f"{f}.rounds", maximum=MAX_ROUNDS)
     return kw
 
@@ -245,10 +264,18 @@ def parse_workload(raw: Any, topo) -> Optional[Workload]:
     f = "workload"
     raw = _mapping(raw, f, "a mapping such as {kind: allreduce, size: 16MiB, duration: 10s}")
     _keys(raw, ("kind", "size", "sizes", "duration", "iterations", "warmup", "rounds", "system",
-                "systems", "dtype", "op", "hosts", "command", "timeout"), f)
+                "systems", "dtype", "op", "hosts", "command", "timeout") + TRAIN_KEYS, f)
     kind = _choice(raw.get("kind", "allreduce"), WORKLOAD_KINDS, f"{f}.kind")
+    if kind != "train":
+        for k in TRAIN_KEYS:
+            if k in raw:
+                raise SpecError(f"{f}.{k}", f"only used with kind: train (kind is {kind})",
+                                f"kind: train, or no {k} key")
+        train: dict[str, Any] = {}
+    else:
+        train = parse_train(raw, getattr(topo, "source", None), f)
     kw: dict[str, Any] = {"kind": kind, **_workload_amounts(raw, kind, f),
-                          **_workload_setup(raw, topo, f)}
+                          **_workload_setup(raw, topo, f), **train}
     command = _workload_command(raw, kind, f)
     if command is not None:
         kw["command"] = command
@@ -403,6 +430,11 @@ def parse_expect(raw: Any, topo, workload: Optional[Workload] = None) -> tuple[E
             raise SpecError(f, "unknown metric", "one of: " + ", ".join(METRICS)
                             + ", " + ", ".join(SHARE_PREFIX + r for r in rails)
                             + ", " + SIZED_PREFIX + "SIZE (compare)")
+        if metric in BOOL_METRICS:
+            if not isinstance(bound, bool):
+                raise SpecError(f, f"{quote(bound)} is not accepted", "true or false")
+            out.append(Expectation(metric, float(bound), float(bound)))
+            continue
         if isinstance(bound, (int, float)) and not isinstance(bound, bool):
             if not math.isfinite(float(bound)):
                 raise SpecError(f, f"{quote(bound)} is not a finite number",

@@ -31,7 +31,7 @@ from testbed.model.spec import Topology, check_capabilities, load
 from testbed.run.capture import Capture
 from testbed.run.faults import FaultInjector
 from testbed.run.traffic import TrafficFlows
-from testbed.run.workload import PhaseResult, WorkloadRunner
+from testbed.run.workload import PhaseResult, WorkloadRunner, reference_phases
 
 Say = Callable[[str], None]
 
@@ -58,6 +58,7 @@ class Observed:
     faults: list[FaultRecord]
     fault_errors: list[str]
     flows: list[FlowRecord] = field(default_factory=list)   # traffic faults' competing flows
+    reference: list[PhaseResult] = field(default_factory=list)   # train: the fault-free run
 
     @property
     def iterations(self) -> list[IterationRecord]:
@@ -69,7 +70,10 @@ class Observed:
 
     @property
     def ranks(self) -> list[dict]:
-        return [dict(r, phase=i) for i, p in enumerate(self.phases) for r in p.ranks]
+        """Every rank of every phase, the reference run's (phase "ref-I") first."""
+        return [dict(r, phase=f"ref-{i}") for i, p in enumerate(self.reference)
+                for r in p.ranks] + \
+            [dict(r, phase=i) for i, p in enumerate(self.phases) for r in p.ranks]
 
 
 def _say(msg: str) -> None:
@@ -113,9 +117,24 @@ def _run_workload(runner: Optional[WorkloadRunner], scenario: Scenario, t0: floa
 
     def on_phase(i, n, phase):
         what = "command" if phase.system == "command" else \
+            f"{phase.system} training" if scenario.workload.kind == "train" else \
             f"{phase.system} allreduce {phase.size} B"
         say(f"   workload {i + 1}/{n}: {what} on {len(runner.hosts)} ranks")
     return runner.run(on_phase)
+
+
+def _run_reference(runner: Optional[WorkloadRunner], scenario: Scenario,
+                   say: Say) -> list[PhaseResult]:
+    """train with faults and ``reference: auto``: the same job without faults, first, on the
+    same fabric; before the fault schedule's t0, so no fault can reach it."""
+    plan = reference_phases(scenario.workload, scenario.faults) if runner else []
+    if not plan:
+        return []
+
+    def on_phase(i, n, phase):
+        say(f"   reference {i + 1}/{n}: {phase.system} training, no faults, on "
+            f"{len(runner.hosts)} ranks")
+    return runner.run(on_phase, plan)
 
 
 def _observe(fabric, scenario: Scenario, out: Path, say: Say) -> Observed:
@@ -136,6 +155,7 @@ def _observe(fabric, scenario: Scenario, out: Path, say: Say) -> Observed:
         injector = FaultInjector(fabric, scenario.faults, kill=runner.kill if runner else None,
                                  traffic=traffic)
         stack.callback(injector.stop)
+        reference = _run_reference(runner, scenario, say)
         sampler.start()
         t0 = time.monotonic()
         injector.start(t0)
@@ -145,7 +165,7 @@ def _observe(fabric, scenario: Scenario, out: Path, say: Say) -> Observed:
         phases = _run_workload(runner, scenario, t0, say)
     say(f"   workload done in {time.monotonic() - t0:.1f} s; computing metrics")
     return Observed(t0, sampler.stop(), phases, injector.records, list(injector.errors),
-                    injector.flow_records)
+                    injector.flow_records, reference)
 
 
 def _analyse(topo: Topology, scenario: Scenario, obs: Observed) -> report.RunResults:
@@ -156,7 +176,8 @@ def _analyse(topo: Topology, scenario: Scenario, obs: Observed) -> report.RunRes
     extra = {"rank_errors": sum(1 for r in ranks if r["exit_code"] not in (0, None)
                                 and not r["killed"]),
              "timed_out": any(p.timed_out for p in obs.phases),
-             "phases": phases, "fault_errors": obs.fault_errors}
+             "phases": phases, "fault_errors": obs.fault_errors,
+             "train_reference": [r for p in obs.reference for r in p.iterations]}
     iterations, events = obs.iterations, obs.events
     m = metrics_mod.compute(topo, scenario, obs.samples, iterations, events, obs.faults,
                             obs.t0, extra=extra, flows=obs.flows)

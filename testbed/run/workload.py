@@ -2,7 +2,9 @@
 
 A workload is a list of phases (one system at one message size); `allreduce` is one phase,
 `sweep` and `compare` are several, run one after another on the same fabric. `command` runs the
-user's own program on every host with the rails and the rendezvous in environment variables.
+user's own program on every host with the rails and the rendezvous in environment variables
+(Nezha's and torchrun's), `train` a DDP job (testbed/run/train.py) once per backend, after a
+fault-free reference run of it when the file has faults and `reference: auto`.
 Every rank of a run (a `command` too) gets the run's job secret, NEZHA_JOB_SECRET, drawn afresh
 per run: the store and the rails of a run admit only its own ranks.
 """
@@ -23,6 +25,9 @@ from testbed.model.records import IterationRecord, load_jsonl
 from testbed.model.scenario import Workload
 
 BASE_PORT = 29500
+# MASTER_PORT (torch's store) = NEZHA_MASTER_PORT + this: distinct from Nezha's store port, and
+# per phase like it, so a phase never meets the last one's TIME_WAIT sockets
+TORCH_PORT_OFFSET = 1000
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -33,6 +38,7 @@ class Phase:
     iterations: Optional[int]
     duration: Optional[float]
     name: str = ""
+    reference: bool = False      # train: the fault-free run the losses are held against
 
 
 @dataclass
@@ -72,7 +78,17 @@ def phases(w: Workload) -> list[Phase]:
                       f"{sys_}-{s}") for s in sizes for _ in range(w.rounds) for sys_ in w.systems]
     if w.kind == "command":
         return [Phase("command", 0, w.iterations, w.duration, "command")]
+    if w.kind == "train":     # rounds > 1: the backends take turns, as a compare's systems do
+        return [Phase(b, 0, w.steps, None, f"train-{b}") for _ in range(w.rounds)
+                for b in w.backends]
     return []
+
+
+def reference_phases(w: Workload, faults: tuple) -> list[Phase]:
+    """train, reference: auto, with faults: the same job once per backend without them."""
+    if w.kind != "train" or w.reference != "auto" or not faults:
+        return []
+    return [Phase(b, 0, w.steps, None, f"ref-{b}", reference=True) for b in w.backends]
 
 
 def _count_lines(path: Path) -> int:
@@ -108,6 +124,8 @@ class WorkloadRunner:
         # NEZHA_SYSTEM is what Context.from_env() builds: a command phase is named "command",
         # but the user's program gets the file's `system:` (nezha unless given)
         system = self.workload.system if phase.system == "command" else phase.system
+        if self.workload.kind in ("command", "train"):
+            env.update(self.torchrun_env(rank, port))
         if phase.system == "command":
             # `python my_train.py` is this interpreter (the project's environment, where nezha
             # and numpy are installed), not whatever python sudo's PATH finds first
@@ -129,10 +147,24 @@ class WorkloadRunner:
             env["NEZHA_TCP_CONGESTION"] = self.congestion
         return env
 
+    def torchrun_env(self, rank: int, port: int) -> dict[str, str]:
+        """What torchrun would set for one process per host, so that a training script's
+        ``init_process_group`` (env://) needs no glue: rank 0's first-rail address."""
+        topo = self.fabric.topo
+        return {"MASTER_ADDR": topo.address(self.hosts[0], topo.rails[0].name),
+                "MASTER_PORT": str(port + TORCH_PORT_OFFSET), "RANK": str(rank),
+                "WORLD_SIZE": str(len(self.hosts)), "LOCAL_RANK": "0",
+                "LOCAL_WORLD_SIZE": "1"}
+
     def argv(self, phase: Phase) -> list[str]:
         w = self.workload
         if phase.system == "command":
             return list(w.command)
+        if w.kind == "train":
+            return [sys.executable, "-m", "testbed.run.train", "--model", w.model,
+                    "--params", str(w.params), "--steps", str(w.steps), "--batch", str(w.batch),
+                    "--backend", phase.system, "--seed", str(w.seed), "--data", w.data,
+                    "--timeout", f"{w.timeout:g}"]
         argv = [sys.executable, "-m", "nezha.worker", "--system", phase.system,
                 "--size", str(phase.size), "--dtype", w.dtype, "--op", w.op]
         if w.warmup:
@@ -194,7 +226,8 @@ class WorkloadRunner:
                 next_report += every
                 done = _count_lines(procs[0].results)
                 alive = sum(rp.proc.poll() is None for rp in procs)
-                self.progress(f"   .. {time.monotonic() - start:4.0f} s: {done} iterations, "
+                what = "steps" if self.workload.kind == "train" else "iterations"
+                self.progress(f"   .. {time.monotonic() - start:4.0f} s: {done} {what}, "
                               f"{alive}/{len(procs)} ranks running")
             time.sleep(0.05)
         for rp in procs:
@@ -227,10 +260,11 @@ class WorkloadRunner:
                 res.events.append(ev)
         return res
 
-    def run(self, on_phase: Callable[[int, int, Phase], None] = lambda i, n, p: None
-            ) -> list[PhaseResult]:
+    def run(self, on_phase: Callable[[int, int, Phase], None] = lambda i, n, p: None,
+            plan: Optional[list[Phase]] = None) -> list[PhaseResult]:
+        """Every phase of ``plan`` (default: the workload's), one after another."""
         out = []
-        plan = phases(self.workload)
+        plan = phases(self.workload) if plan is None else plan
         for i, phase in enumerate(plan):
             on_phase(i, len(plan), phase)
             out.append(self.run_phase(phase, i))
