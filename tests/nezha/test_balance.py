@@ -298,9 +298,9 @@ def test_estimator_is_total_time_over_total_bytes_once_it_spans_enough():
     e.record_b(0, 0.010)                            # delivered nothing: time all the same
     assert e.b == pytest.approx(0.040 / (1 << 20))
     e2 = balance.RailEstimator()
-    e2.record_b(64 << 10, 0.004)
-    e2.record_b(64 << 10, 0.004)
-    assert math.isnan(e2.b)                         # 8 ms of time: too little to trust
+    e2.record_b(64 << 10, 0.002)
+    e2.record_b(64 << 10, 0.002)
+    assert math.isnan(e2.b)                         # 4 ms of time: too little to trust
     for t in (0.01, 0.01, 0.01, 0.01, 0.01, 0.01, 0.01, 0.25):
         e2.record_b(1 << 20, t)
     # a stall is part of the cost (diluted over the window, never dropped as an outlier)
@@ -370,6 +370,25 @@ def test_cold_goes_hot_without_a_rail_that_never_reports_and_probes_it():
     assert bal.rs.state == "hot" and evs[0][0] == "state"
     assert bal.rs.used_b[2] == pytest.approx(balance.PROBE_RATIO * 1e-8)
     assert 0 < bal.rs.shares()[2] < 0.05                   # a small probing share
+
+
+def test_a_probed_rails_first_estimate_replaces_the_guess_at_once():
+    """A fast rail that gave no estimate in COLD starts HOT on a probing guess (20 x the best
+    rail's cost); its first measurement replaces the guess whole, so it carries its share at
+    the next operation instead of creeping up from 2 % over many tables."""
+    bal = Balancer(3, "nezha")
+    t = np.full((3, 3, balance.TABLE_COLUMNS), np.nan)
+    t[:, 0, :3] = (1e-4, np.nan, 0)       # the fast rail: no estimate yet
+    t[:, 1, :3] = (1e-4, 1.4e-7, 5)       # 57 Mbit/s
+    t[:, 2, :3] = (1e-4, 6.7e-7, 5)       # 12 Mbit/s
+    for _ in range(3):
+        bal.agree(t)
+    assert bal.rs.state == "hot" and bal.rs.shares()[0] < 0.05
+    t[:, 0, :3] = (1e-4, 5.3e-8, 2)       # 150 Mbit/s, measured at last
+    bal.agree(t)
+    assert bal.rs.used_b[0] == pytest.approx(5.3e-8)
+    assert bal.rs.shares()[0] == pytest.approx(1 / 5.3e-8 / (1 / 5.3e-8 + 1 / 1.4e-7
+                                                            + 1 / 6.7e-7), rel=0.01)
 
 
 def test_rise_and_fall_compare_operations_at_one_split():
