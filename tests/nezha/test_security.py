@@ -330,7 +330,7 @@ def test_the_testbed_gives_every_rank_of_a_run_one_secret(tmp_path):
     topo = SimpleNamespace(hosts=["h1", "h2"], rails=[SimpleNamespace(name="r0")],
                            address=lambda host, rail: f"198.18.0.{host[1:]}")
     fabric = SimpleNamespace(topo=topo, caps=SimpleNamespace(congestion_control=lambda t: ""))
-    w = SimpleNamespace(hosts=None, system="nezha")
+    w = SimpleNamespace(hosts=None, system="nezha", kind="command")
     phase = Phase("command", 0, None, None, "command")
 
     def secrets_of(runner):
