@@ -793,14 +793,16 @@ def plot(path: Path, rows: Sequence[ShapeRow]) -> Path | None:
     import matplotlib
     matplotlib.use("Agg", force=True)
     import matplotlib.pyplot as plt
-    systems = ["nezha", "single", "mptcp"] + (["command"] if any(
-        "command" in r.busbw_mbps for r in rows) else [])
+    systems = ["nezha", "single", "mptcp"] + [s for s in ("stripe", "command") if any(
+        s in r.busbw_mbps for r in rows)]
+    label = {"stripe": "pinned split"}
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
     for s in systems:
         v = sorted(x for x in (r.ratio(s, "optimum") for r in rows) if x is not None)
         if v:
             ax1.step([0.0] + v, [0.0] + [(i + 1) / len(v) for i in range(len(v))],
-                     where="post", label=f"{s} (median {statistics.median(v):.2f})")
+                     where="post",
+                     label=f"{label.get(s, s)} (median {statistics.median(v):.2f})")
     ax1.set_xlabel("busbw / optimum")
     ax1.set_ylabel("fraction of shapes <= x")
     ax1.set_xlim(0, max(1.1, ax1.get_xlim()[1]))
@@ -810,9 +812,9 @@ def plot(path: Path, rows: Sequence[ShapeRow]) -> Path | None:
     ax1.set_title(f"{len(measured)} shapes")
     order = sorted(measured, key=lambda r: r.ratio("nezha", "optimum"))
     xs = range(len(order))
-    for s, marker in zip(systems, "os^d"):
+    for s, marker in zip(systems, "os^xd"):
         ax2.plot(xs, [r.ratio(s, "optimum") or math.nan for r in order], marker, ms=4,
-                 ls="-" if s == "nezha" else "", label=s)
+                 ls="-" if s == "nezha" else "", label=label.get(s, s))
     ax2.set_xticks(list(xs))
     ax2.set_xticklabels([str(r.seed) for r in order], rotation=90,
                         fontsize=7 if len(order) <= 60 else 4)
