@@ -218,7 +218,8 @@ class Health:
         broken path does not (see the module docstring)."""
         eng = self.eng
         for peer, (since, why) in list(eng.unreachable.items()):
-            if self.refuses is None or now - self.liveness_at.get(peer, since) < LIVENESS_EVERY:
+            last = max(since, self.liveness_at.get(peer, since))   # this outage's checks only
+            if self.refuses is None or now - last < LIVENESS_EVERY:
                 continue
             self.liveness_at[peer] = now
             if peer in eng.unreachable and self.refuses(peer):
