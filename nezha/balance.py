@@ -153,10 +153,10 @@ def _usable(x) -> bool:
 
 
 def weighted_split(nbytes: int, weights, rails, nrails: int, elem: int = 1) -> list[int]:
-    """Bytes per rail in proportion to ``weights`` over ``rails`` (equal if they weigh
-    nothing): a pinned split, which is also what tells the balancer's split from the best
-    static one on a shape whose rates are known."""
-    w = [weights[r] if r in rails else 0.0 for r in range(nrails)]
+    """Bytes per rail in proportion to ``weights`` over ``rails`` (equal if None or if they
+    weigh nothing): a pinned split, which is also what tells the balancer's split from the
+    best static one on a shape whose rates are known."""
+    w = [weights[r] if weights is not None and r in rails else 0.0 for r in range(nrails)]
     if not any(w):
         return equal_split(nbytes, rails, nrails, elem)
     return cost_split(nbytes, [0.0] * nrails, [1.0 / x if x > 0 else float("nan") for x in w],
@@ -620,8 +620,7 @@ class Balancer:
             rail = live[0] if self.mode == "single" else self._best(live, nbytes)
             return [(rail, 0, nbytes)]
         if self.mode == "stripe":
-            sizes = weighted_split(nbytes, self.pinned or [1.0] * self.nrails, live,
-                                   self.nrails, elem)
+            sizes = weighted_split(nbytes, self.pinned, live, self.nrails, elem)
         elif self.rs.state == HOT and set(live) == set(self.rs.live):
             if nbytes < MIN_SPLIT:
                 return [(self._best(live, nbytes), 0, nbytes)]

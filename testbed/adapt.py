@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 from testbed.errors import SpecError, TestbedError
-from testbed.model.records import RAIL_REMOVING, is_num
+from testbed.model.records import RAIL_REMOVING, is_num, load_jsonl
 from testbed.model.units import (format_duration, format_rate, format_size, parse_duration,
                                  parse_rate, parse_size)
 
@@ -149,19 +149,6 @@ class Figures:
     notes: list[str] = field(default_factory=list)
 
 
-def _jsonl(path: Path) -> list[dict]:
-    """JSON lines of a file; a garbled line (a rank killed mid-write) is skipped."""
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            v = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(v, dict):
-            out.append(v)
-    return out
-
-
 def kind_of(action: str) -> str:
     """A fault's action as an adapt kind: a rail-removing fault is ``down``."""
     if action in ("rate", "traffic"):
@@ -260,7 +247,7 @@ def _iteration_rows(results_dir: Path, host: str) -> list[dict]:
     files = sorted((results_dir / "ranks").glob(f"*-{host}.results.jsonl"))
     if not files:
         raise TestbedError(f"no ranks/*-{host}.results.jsonl in {results_dir}")
-    return [r for r in _jsonl(files[0]) if not r.get("summary")
+    return [r for r in load_jsonl(files[0]) if not r.get("summary")
             and all(is_num(r.get(k)) for k in ("t_start", "t_end", "seconds"))]
 
 
@@ -279,7 +266,7 @@ def figures(results_dir: Path | str) -> Figures:
     topo = yaml.safe_load((d / "topology.resolved.yaml").read_text())
     hosts = topo["hosts"] if isinstance(topo["hosts"], list) else \
         [f"h{i + 1}" for i in range(int(topo["hosts"]))]
-    record, t_fs, t_fe = _fault_window(_jsonl(d / "timeline.jsonl"))
+    record, t_fs, t_fe = _fault_window(load_jsonl(d / "timeline.jsonl"))
     faults = topo.get("faults") or []
     index = record.get("index", 0)
     fault = faults[index] if isinstance(index, int) and 0 <= index < len(faults) else record

@@ -12,9 +12,10 @@ from typing import Any, Optional
 from nezha.kinds import ALL_SYSTEMS as SYSTEMS, DTYPES, OPS
 from testbed.errors import SpecError, quote
 from testbed.model.train_spec import TRAIN_KEYS, parse_train
-from testbed.model.units import (MAX_CAPTURE_MB, MAX_COUNT, MAX_DELAY_S, MAX_FLAP_STEPS,
+from testbed.model.units import (MAX_CAPTURE_MB, MAX_DELAY_S, MAX_FLAP_STEPS,
                                  MAX_PHASES, MAX_ROUNDS, MIN_FLAP_PERIOD_S, format_duration,
-                                 format_rate, format_size, parse_duration, parse_percent,
+                                 format_rate, format_size, parse_choice as _choice,
+                                 parse_duration, parse_int as _int, parse_percent,
                                  parse_rate, parse_size)
 
 WORKLOAD_KINDS = ("allreduce", "sweep", "compare", "command", "train", "none")
@@ -150,19 +151,6 @@ def _keys(raw: dict, allowed: tuple[str, ...], field_: str) -> None:
     for k in raw:
         if k not in allowed:
             raise SpecError(f"{field_}.{k}", "unknown key", f"one of: {', '.join(allowed)}")
-
-
-def _choice(value: Any, options: tuple[str, ...], field_: str) -> str:
-    if value not in options:
-        raise SpecError(field_, f"{quote(value)} is not accepted", f"one of: {', '.join(options)}")
-    return value
-
-
-def _int(value: Any, field_: str, minimum: int = 1, maximum: int = MAX_COUNT) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= maximum:
-        raise SpecError(field_, f"{quote(value)} is not accepted",
-                        f"an integer >= {minimum} and <= {maximum}")
-    return value
 
 
 def _target_kind(topo, target: Any, field_: str) -> str:

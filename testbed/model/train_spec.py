@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from testbed.errors import SpecError, quote
+from testbed.model.units import parse_choice, parse_int
 
 TRAIN_MODELS = ("mlp", "convnet")
 TRAIN_BACKENDS = ("nezha", "gloo")
@@ -41,30 +42,17 @@ def parse_params(value: Any, field_: str) -> int:
     return int(n)
 
 
-def _int(value: Any, field_: str, lo: int, hi: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
-        raise SpecError(field_, f"{quote(value)} is not accepted",
-                        f"an integer >= {lo} and <= {hi}")
-    return value
-
-
-def _one_of(value: Any, options: tuple[str, ...], field_: str) -> str:
-    if value not in options:
-        raise SpecError(field_, f"{quote(value)} is not accepted", f"one of: {', '.join(options)}")
-    return value
-
-
 def _backends(raw: dict, f: str) -> tuple[str, ...]:
     if "backend" in raw and "backends" in raw:
         raise SpecError(f"{f}.backends", "given together with backend",
                         "backend: B for one, or backends: [nezha, gloo] to compare them")
     if "backends" not in raw:
-        return (_one_of(raw.get("backend", "nezha"), TRAIN_BACKENDS, f"{f}.backend"),)
+        return (parse_choice(raw.get("backend", "nezha"), TRAIN_BACKENDS, f"{f}.backend"),)
     b = raw["backends"]
     if not isinstance(b, list) or not b:
         raise SpecError(f"{f}.backends", f"{quote(b)} is not a list",
                         f"a list from: {', '.join(TRAIN_BACKENDS)}")
-    out = tuple(_one_of(x, TRAIN_BACKENDS, f"{f}.backends[{i}]") for i, x in enumerate(b))
+    out = tuple(parse_choice(x, TRAIN_BACKENDS, f"{f}.backends[{i}]") for i, x in enumerate(b))
     if len(set(out)) != len(out):
         raise SpecError(f"{f}.backends", "a backend is listed twice", "each backend once")
     return out
@@ -107,17 +95,18 @@ def parse_train(raw: dict, source: Optional[str], f: str) -> dict[str, Any]:
     for k, instead in NOT_FOR_TRAIN.items():
         if k in raw:
             raise SpecError(f"{f}.{k}", "not used with kind: train", instead)
-    kw: dict[str, Any] = {"model": _one_of(raw.get("model", "mlp"), TRAIN_MODELS, f"{f}.model"),
+    kw: dict[str, Any] = {"model": parse_choice(raw.get("model", "mlp"), TRAIN_MODELS,
+                                                f"{f}.model"),
                           "backends": _backends(raw, f)}
     if "params" in raw:
         if kw["model"] != "mlp":
             raise SpecError(f"{f}.params", f"only used with model: mlp (model is "
                             f"{kw['model']})", "model: mlp, or no params key")
         kw["params"] = parse_params(raw["params"], f"{f}.params")
-    kw["steps"] = _int(raw.get("steps", 20), f"{f}.steps", 1, MAX_STEPS)
-    kw["batch"] = _int(raw.get("batch", 8), f"{f}.batch", 1, MAX_BATCH)
-    kw["seed"] = _int(raw.get("seed", 0), f"{f}.seed", 0, MAX_SEED)
-    kw["data"] = _one_of(raw.get("data", "synthetic"), TRAIN_DATA, f"{f}.data")
+    kw["steps"] = parse_int(raw.get("steps", 20), f"{f}.steps", 1, MAX_STEPS)
+    kw["batch"] = parse_int(raw.get("batch", 8), f"{f}.batch", 1, MAX_BATCH)
+    kw["seed"] = parse_int(raw.get("seed", 0), f"{f}.seed", 0, MAX_SEED)
+    kw["data"] = parse_choice(raw.get("data", "synthetic"), TRAIN_DATA, f"{f}.data")
     warmup = raw.get("warmup", 1)
     if isinstance(warmup, bool) or not isinstance(warmup, int) or \
             not 0 <= warmup < kw["steps"]:

@@ -57,6 +57,21 @@ def _too_big(value: object, field: str, kind: str, limit: str) -> SpecError:
                      f"a {kind} of at most {limit} (README: Limits)")
 
 
+def parse_choice(value: object, options: tuple[str, ...], field: str) -> str:
+    """One of ``options``, or a SpecError naming the field and listing them."""
+    if value not in options:
+        raise SpecError(field, f"{quote(value)} is not accepted", f"one of: {', '.join(options)}")
+    return value  # type: ignore[return-value]
+
+
+def parse_int(value: object, field: str, minimum: int = 1, maximum: int = MAX_COUNT) -> int:
+    """A whole number in [minimum, maximum] (not a bool), or a SpecError naming the field."""
+    if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= maximum:
+        raise SpecError(field, f"{quote(value)} is not accepted",
+                        f"an integer >= {minimum} and <= {maximum}")
+    return value
+
+
 def parse_rate(value: object, field: str) -> int:
     """'200mbit' -> 200_000_000 bit/s. Zero and negative rates are refused."""
     num, unit = _split(value, field, "rate", _RATE_UNITS, "200mbit")

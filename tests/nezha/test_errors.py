@@ -72,6 +72,9 @@ def test_peer_dies_mid_operation():
         ok, v = res[r]
         assert not ok and not isinstance(v, str), (r, v)
         assert v.isa("CommError"), v
+        # told apart from a broken path (which is waited out to the timeout): the dead
+        # process refuses a new connection on every rail (health.Health.check_unreachable)
+        assert "rank 1 exited" in v.message and "refuses new connections" in v.message, v
     assert time.monotonic() - t0 < TIMEOUT * 2.5
 
 

@@ -58,28 +58,16 @@ def test_allreduce_every_dtype_and_op_exact_and_identical_on_all_ranks(three_ran
     assert len(digests[0]) > 40 and all(d == digests[0] for d in digests)
 
 
-def test_broadcast_gathers_reduce_scatters_barrier(three_ranks):
-    assert not fails_of(three_ranks, "movement")
-
-
-def test_object_collectives(three_ranks):
-    assert not fails_of(three_ranks, "objects")
-
-
-def test_async_work_handles_and_futures(three_ranks):
-    assert not fails_of(three_ranks, "async")
-
-
-def test_coalescing_manager(three_ranks):
-    assert not fails_of(three_ranks, "coalesced")
-
-
-def test_unsupported_calls_raise_naming_the_call(three_ranks):
-    assert not fails_of(three_ranks, "unsupported")
-
-
-def test_errors_propagate_through_wait_and_future(three_ranks):
-    assert not fails_of(three_ranks, "errors")
+@pytest.mark.parametrize("section", [
+    "movement",      # broadcast, gathers, reduce-scatters, barrier
+    "objects",       # the object collectives
+    "async",         # Work handles and futures
+    "coalesced",     # torch's coalescing manager
+    "unsupported",   # unsupported calls raise, naming the call
+    "errors",        # errors propagate through wait() and the future
+])
+def test_each_section_of_the_three_rank_job_passes(three_ranks, section):
+    assert not fails_of(three_ranks, section)
 
 
 def test_ddp_two_ranks_bit_identical_to_single_process_reference(ddp_two):
