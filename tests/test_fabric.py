@@ -202,3 +202,27 @@ def test_host_run_returns_the_exit_status_like_subprocess_run(no_leftovers):
             h1.run(["sh", "-c", "exit 4"], check=True)
         assert e.value.returncode == 4
         assert h1.run(["true"], check=True).returncode == 0
+
+
+def test_link_counters_and_state_match_a_full_dump(no_leftovers):
+    """The sampler's fast dump (counters from RTM_GETSTATS, state from link notifications)
+    reads what a full RTM_GETLINK dump reads, and sees a link go down and up."""
+    from testbed.kernel.linkstats import LinkDumper
+    topo = spec.loads("hosts: 2\nrails: [{name: r0, bandwidth: 100mbit}, {name: r1}]\n")
+    with Fabric(topo) as fab:
+        dumper = LinkDumper(fab.hosts["h1"].ns)
+        try:
+            assert probes.reachable(fab, "h1", "h2", "r0")
+            fast, full = dumper.dump(), dumper._full()
+            assert dumper.getstats, "this kernel answers RTM_GETSTATS (4.7 and later)"
+            assert set(fast) == set(full) >= {"r0", "r1"}
+            assert fast["r0"][:2] == full["r0"][:2] and fast["r0"][0] > 0
+            fab.links["h1.r1"].set_state(False)
+            assert dumper.dump()["r1"][-1] is False and dumper.dump()["r0"][-1] is True
+            fab.links["h1.r1"].set_state(True)
+            deadline = time.monotonic() + 3
+            while not dumper.dump()["r1"][-1] and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert dumper.dump()["r1"][-1] is True
+        finally:
+            dumper.close()
