@@ -4,7 +4,7 @@ A token bucket in bytes: a completed key's result (s bytes, whatever the world s
 element is reduced once across all ranks, as a switch does at line rate) waits until the
 bucket has paid for it. Debt-based: the bucket may go negative by one result and the waiter
 sleeps the debt off, so a result larger than the burst is never stuck. Burst: 10 ms of rate
-or one chunk, whichever is larger. No rate: no pacing (the rail's tc shaping already limits
+(more would let the first results of an operation through above the rate). No rate: no pacing (the rail's tc shaping already limits
 the wire)."""
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ BURST_SECONDS = 0.010
 
 
 class TokenBucket:
-    def __init__(self, rate_bps: Optional[int], min_burst: int,
+    def __init__(self, rate_bps: Optional[int], min_burst: int = 0,
                  clock: Callable[[], float] = time.monotonic) -> None:
         if rate_bps is not None and rate_bps <= 0:
             raise ValueError(f"rate {rate_bps} bit/s: expected a positive rate or None")

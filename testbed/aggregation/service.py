@@ -72,7 +72,7 @@ class Service:
         self.secret = secret
         self.limits = limits
         self.table = Table(limits)
-        self.bucket = TokenBucket(rate_bps, limits.max_chunk)
+        self.bucket = TokenBucket(rate_bps)
         self.max_connections = max_connections
         self.connections = 0
         self.refusals = 0

@@ -10,7 +10,9 @@ veth is created inside its host's namespace with its peer placed straight into t
 """
 from __future__ import annotations
 
+import ipaddress
 import logging
+import secrets
 import subprocess
 import time
 from dataclasses import dataclass, field, replace
@@ -18,6 +20,8 @@ from typing import Callable, Optional, Sequence
 
 from pyroute2 import IPRoute
 
+from nezha.aggwire import DEFAULT_PORT as AGGREGATION_PORT
+from testbed.aggregation import control as aggregation
 from testbed.kernel import netns, tc
 from testbed.kernel.capabilities import Capabilities, probe
 from testbed.errors import FabricError
@@ -176,6 +180,9 @@ class Fabric:
         self.rails: dict[str, Rail] = {}
         self.links: dict[str, Link] = {}
         self._ipr: dict[str, IPRoute] = {}   # namespace -> netlink socket inside it
+        # the job secret of this run's ranks (testbed.run.workload) and aggregation switches
+        self.job_secret = secrets.token_hex(16)
+        self.aggregators: dict[str, aggregation.Aggregator] = {}   # rail -> running service
         self.build_seconds = 0.0
         self.attached = False
 
@@ -205,6 +212,9 @@ class Fabric:
     def teardown(self) -> float:
         """Delete every namespace this run recorded; returns seconds taken."""
         t0 = time.monotonic()
+        for agg in self.aggregators.values():
+            aggregation.stop(agg)
+        self.aggregators.clear()
         for host in self.hosts.values():
             for proc in host.processes:
                 if proc.poll() is None:
@@ -302,10 +312,39 @@ class Fabric:
             spec_link = topo.link(link.host, link.rail)
             for end in (link.host_end, link.peer_end):
                 end.ipr.link("set", index=end.index, mtu=spec_link.mtu)
-            self._address(link.host_end, spec_link)
+            self._address(link.host_end, spec_link.address)
             link.set_state(True)
         self.progress(f"{len(self.links)} links shaped and addressed")
         self._wait_operational()
+        self._start_aggregators()
+
+    def _start_aggregators(self) -> None:
+        """Every aggregation rail: its switch's bridge gets the rail's switch address, and the
+        aggregation service starts in the switch namespace, recorded in the run state before it
+        starts, then read back (PING) before the build goes on."""
+        for rail in self.topo.rails:
+            address = rail.switch_address
+            if address is None:
+                continue
+            checkpoint()
+            ns = self.rails[rail.name].ns
+            ipr = self._ipr[ns]
+            self._address(_intf(ns, BRIDGE, ipr), address)
+            self.state.record_object(kind="aggregator", ns=ns, rail=rail.name,
+                                     address=str(address.ip), port=AGGREGATION_PORT)
+            self.state.save()
+            agg = aggregation.start(rail.name, ns, str(address.ip), AGGREGATION_PORT,
+                                    self.job_secret, rail.aggregation_rate_bps)
+            self.aggregators[rail.name] = agg
+            self.state.objects[-1]["pid"] = agg.proc.pid      # nsenter execs: the service
+            self.state.save()
+            aggregation.wait_ready(agg)
+            self.progress(f"aggregation switch of {rail.name} on {agg.endpoint}")
+
+    def aggregator_env(self) -> str:
+        """NEZHA_AGGREGATORS for the ranks: ``RAIL=ADDR:PORT`` per aggregation rail."""
+        return ",".join(f"{r.name}={r.switch_address.ip}:{AGGREGATION_PORT}"
+                        for r in self.topo.rails if r.switch_address is not None)
 
     def _rail_gso(self, rail: str) -> int:
         """gso_max_size for every interface of ``rail``: from its slowest link (tc.gso_size)."""
@@ -406,8 +445,8 @@ class Fabric:
             if pending:
                 time.sleep(0.005)
 
-    def _address(self, intf: Intf, spec_link) -> None:
-        ip, subnet = str(spec_link.address.ip), spec_link.address.network
+    def _address(self, intf: Intf, address: ipaddress.IPv4Interface) -> None:
+        ip, subnet = str(address.ip), address.network
         intf.ipr.addr("add", index=intf.index, address=ip, prefixlen=subnet.prefixlen)
         rto = self.topo.tcp.get("rto_min_s")
         if rto:

@@ -292,3 +292,18 @@ def test_token_bucket_paces_results():
         return time.monotonic() - t0
     took = asyncio.run(go())
     assert 0.08 <= took < 0.2                   # 1 MB at 10 MB/s minus the 100 KB burst
+
+
+def test_aggregation_rate_paces_the_switch():
+    """4 MiB of results at 160 Mbit/s (20 MB/s) take at least 0.2 s; unpaced, far less."""
+    r = Running(Service(auth.secret_bytes(SECRET), rate_bps=160_000_000))
+    try:
+        chs = channels(r, 2, chunk_bytes=256 << 10, window=1 << 20)
+        x = np.ones(1 << 20, np.float32)
+        t0 = time.monotonic()
+        got = run_all(chs, lambda i, ch: ch.allreduce(1, x))
+        took = time.monotonic() - t0
+        assert all(np.array_equal(g, x * 2) for g in got)
+        assert took >= (4 << 20) / 20e6 - 0.011        # the 10 ms burst is free
+    finally:
+        r.stop()
