@@ -99,6 +99,8 @@ def test_ranks_in_the_hosts_allreduce_through_the_switch(no_leftovers):
                 "port": 29400, "pid": agg.proc.pid} in recorded
         assert netns.call_in(sw, control.ping, "198.18.1.254", 29400) == \
             {"version": 1, "keys": 0, "bytes": 0}
+        assert fab.status()["aggregators"] == {"r1": {
+            "endpoint": "198.18.1.254:29400", "answers": True, "keys": 0, "bytes": 0}}
         procs = [fab.hosts[h].popen([sys.executable, "-c", RANK], env=rank_env(fab, r),
                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
                  for r, h in enumerate(fab.topo.hosts)]
@@ -109,6 +111,9 @@ def test_ranks_in_the_hosts_allreduce_through_the_switch(no_leftovers):
         r = fab.hosts["h1"].run([sys.executable, "-c", RANK], env=stranger)
         assert r.returncode != 0 and "secret" in r.stderr, r.stderr[-500:]
         pid = agg.proc.pid
+        agg.proc.kill()                                     # the switch dies: status says so
+        agg.proc.wait()
+        assert fab.aggregator_health()["r1"]["answers"] is False
     assert not os.path.exists(f"/proc/{pid}") or _zombie(pid)
 
 

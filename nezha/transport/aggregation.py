@@ -6,7 +6,9 @@ of the job: each host sends and receives s bytes for an allreduce of s bytes, wh
 moves 2(n-1)/n x s. ``AggregationChannel.allreduce`` pushes a contiguous array (a byte range
 of a bigger buffer, say) as a pipeline of chunks, at most ``window`` bytes in flight (what
 the switch holds for us; keep world x window under its per-job bound), and the reader thread
-receives every result straight into its place in ``out``. Failures are exceptions of
+receives every result straight into its place in ``out``. When ``allreduce`` raises, no
+result of that call is written into ``out`` afterwards (its chunks still in flight are
+abandoned: a late result is read and dropped), so the caller may recompute the range elsewhere. Failures are exceptions of
 nezha.errors: AggregatorUnavailable (the switch or its connection is gone: every chunk in
 flight failed, move them elsewhere), AggregatorTimeout (no result in time),
 AggregationRefused (one chunk refused or given up by the switch; the connection stays up).
@@ -14,7 +16,6 @@ Protocol: nezha/aggwire.py. Addresses: NEZHA_AGGREGATORS (``Config.aggregators``
 """
 from __future__ import annotations
 
-import json
 import socket
 import threading
 import time
@@ -41,6 +42,8 @@ class Pending:
     nbytes: int
     done: threading.Event = field(default_factory=threading.Event)
     error: Optional[AggregatorError] = None
+    abandoned: bool = False          # its result, if it still comes, never reaches ``out``
+    writing: bool = False            # the reader is filling ``out`` right now
 
     def wait(self, timeout: Optional[float]) -> np.ndarray:
         """The result (in ``out``), or the chunk's exception."""
@@ -142,9 +145,27 @@ class AggregationChannel:
             self._sock.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass
+        if threading.current_thread() is not self._reader:
+            self._reader.join(timeout=5.0)      # its recv ends with the shutdown
         self._sock.close()
         self._fail(AggregatorUnavailable("aggregation channel closed"))
-        self._reader.join(timeout=1.0)
+
+    def abandon(self, pending: list[Pending], grace: float = 1.0) -> None:
+        """Give up chunks: once this returns, none of their results is written into its
+        ``out`` (one being written now is waited for, ``grace`` s at most, else the channel
+        is closed: a stalled connection must not hold the caller)."""
+        deadline = time.monotonic() + grace
+        with self._cond:
+            for p in pending:
+                p.abandoned = True
+            while any(p.writing for p in pending):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._cond.wait(left)
+            stalled = any(p.writing for p in pending)
+        if stalled:
+            self.close()
 
     def __enter__(self) -> "AggregationChannel":
         return self
@@ -200,7 +221,12 @@ class AggregationChannel:
                         timeout: Optional[float] = None) -> np.ndarray:
         """One chunk, reduced over every rank (a new array)."""
         t = self.timeout if timeout is None else timeout
-        return self.submit(op_id, chunk, data, op, timeout=t).wait(t)
+        p = self.submit(op_id, chunk, data, op, timeout=t)
+        try:
+            return p.wait(t)
+        except AggregatorTimeout:
+            self.abandon([p])
+            raise
 
     def allreduce(self, op_id: int, data: np.ndarray, op: str = "sum",
                   out: Optional[np.ndarray] = None, first_chunk: int = 0,
@@ -215,12 +241,17 @@ class AggregationChannel:
         t = self.timeout if timeout is None else timeout
         deadline = time.monotonic() + t
         step = max(1, self.chunk_bytes // flat.itemsize)
-        pending = [self.submit(op_id, first_chunk + i, flat[a:a + step], op,
-                               out=target[a:a + step],
-                               timeout=max(0.0, deadline - time.monotonic()))
-                   for i, a in enumerate(range(0, flat.size, step))]
-        for p in pending:
-            p.wait(max(0.0, deadline - time.monotonic()))
+        pending: list[Pending] = []
+        try:
+            for i, a in enumerate(range(0, flat.size, step)):
+                pending.append(self.submit(op_id, first_chunk + i, flat[a:a + step], op,
+                                           out=target[a:a + step],
+                                           timeout=max(0.0, deadline - time.monotonic())))
+            for p in pending:
+                p.wait(max(0.0, deadline - time.monotonic()))
+        except BaseException:
+            self.abandon(pending)
+            raise
         return target.reshape(np.shape(data)) if out is None else out
 
     # ------------------------------------------------------------------ receiving
@@ -252,7 +283,18 @@ class AggregationChannel:
             return
         if p is None or h.length != p.nbytes or h.dtype != aggwire.dtype_code(p.out.dtype):
             raise ProtocolError(f"unexpected {h.describe()}")
-        recv_exact_into(self._sock, memoryview(p.out).cast("B"), "result")
+        with self._cond:
+            p.writing = not p.abandoned
+        if not p.writing:                       # nobody wants it any more: read and drop
+            recv_exact_into(self._sock, memoryview(bytearray(h.length)), "result")
+            self._finish(p, AggregatorError(f"op {h.op_id} chunk {h.chunk} was abandoned"))
+            return
+        try:
+            recv_exact_into(self._sock, memoryview(p.out).cast("B"), "result")
+        finally:
+            with self._cond:
+                p.writing = False
+                self._cond.notify_all()
         self._finish(p, None)
 
     def _finish(self, p: Pending, error: Optional[AggregatorError]) -> None:

@@ -341,6 +341,23 @@ class Fabric:
             aggregation.wait_ready(agg)
             self.progress(f"aggregation switch of {rail.name} on {agg.endpoint}")
 
+    def aggregator_health(self) -> dict[str, dict]:
+        """Every aggregation rail's switch, read back now (a PING from inside its namespace):
+        {rail: {endpoint, answers, keys, bytes} or {endpoint, answers: False, error}}."""
+        out = {}
+        for rail in self.topo.rails:
+            if rail.switch_address is None:
+                continue
+            ip, ns = str(rail.switch_address.ip), self.state.ns_name(f"sw-{rail.name}")
+            entry: dict = {"endpoint": f"{ip}:{AGGREGATION_PORT}"}
+            try:
+                pong = netns.call_in(ns, aggregation.ping, ip, AGGREGATION_PORT)
+                entry.update(answers=True, keys=pong.get("keys"), bytes=pong.get("bytes"))
+            except Exception as e:   # noqa: BLE001 - reported, not raised: status describes
+                entry.update(answers=False, error=str(e)[:200])
+            out[rail.name] = entry
+        return out
+
     def aggregator_env(self) -> str:
         """NEZHA_AGGREGATORS for the ranks: ``RAIL=ADDR:PORT`` per aggregation rail."""
         return ",".join(f"{r.name}={r.switch_address.ip}:{AGGREGATION_PORT}"
@@ -473,4 +490,5 @@ class Fabric:
         return {"name": self.topo.name, "run_id": self.state.run_id if self.state else None,
                 "hosts": {h.name: {"namespace": h.ns, "addresses": h.addresses}
                           for h in self.hosts.values()},
-                "links": [l.describe() for l in self.links.values()]}
+                "links": [l.describe() for l in self.links.values()],
+                "aggregators": self.aggregator_health()}

@@ -307,3 +307,39 @@ def test_aggregation_rate_paces_the_switch():
         assert took >= (4 << 20) / 20e6 - 0.011        # the 10 ms burst is free
     finally:
         r.stop()
+
+
+def test_a_failed_allreduce_never_writes_its_range_afterwards(switch):
+    """Rank 0 gives up (timeout); rank 1 then completes the keys: the late results are read
+    and dropped, rank 0's buffer keeps what it had, and the channel stays usable."""
+    a, b = channels(switch, 2, chunk_bytes=16 << 10, window=1 << 20)
+    buf = np.arange(40_000, dtype=np.float32)
+    with pytest.raises(AggregatorTimeout):
+        a.allreduce(1, buf, out=buf, timeout=0.2)
+    assert np.array_equal(b.allreduce(1, np.ones(40_000, np.float32)),
+                          np.arange(40_000, dtype=np.float32) + 1)
+    x = np.ones(10, np.float32)
+    got = run_all([a, b], lambda r, ch: ch.allreduce_chunk(2, 0, x))
+    assert all(np.array_equal(g, x * 2) for g in got)
+    assert np.array_equal(buf, np.arange(40_000, dtype=np.float32))
+    assert a._pending == {} and a._inflight == 0
+
+
+def test_aggregator_addresses_and_service_arguments_are_checked():
+    from nezha.config import Config
+    from nezha.errors import ConfigError
+    from testbed.aggregation.service import _args, _config
+    from testbed.errors import SpecError
+    assert Config.from_env({"NEZHA_AGGREGATORS": "r1=198.18.1.254:29400,r2=10.0.0.1:1"}
+                           ).aggregators == (("r1", "198.18.1.254", 29400), ("r2", "10.0.0.1", 1))
+    with pytest.raises(ConfigError, match="NEZHA_AGGREGATORS"):
+        Config.from_env({"NEZHA_AGGREGATORS": "r1=198.18.1.254"})
+    host, port, limits, rate = _config(_args(["--listen", "1.2.3.4:9", "--rate", "1gbit",
+                                              "--key-timeout", "0.5"]))
+    assert (host, port, limits.key_timeout, rate) == ("1.2.3.4", 9, 0.5, 10 ** 9)
+    with pytest.raises(ConfigError, match="--listen"):
+        _config(_args(["--listen", "1.2.3.4"]))
+    with pytest.raises(ConfigError, match="--max-keys"):
+        _config(_args(["--listen", "1.2.3.4:9", "--max-keys", "0"]))
+    with pytest.raises(SpecError, match="--rate"):
+        _config(_args(["--listen", "1.2.3.4:9", "--rate", "100"]))
