@@ -8,7 +8,9 @@ port's would. The protocol is nezha/aggwire.py. The job secret comes from the en
 before a single contribution is read, and an authenticated rank can only contribute as itself.
 Everything an input can make large is bounded: a frame (header checked before its payload is
 read), the keys and bytes a job holds (table.Limits), the time a key may wait for its last
-contribution, the connections, and the results queued for a rank that stops reading.
+contribution, the connections, the payload bytes being read at once (READ_BUDGET: a reader
+beyond it waits, and TCP holds its sender back), and the results queued for a rank that stops
+reading. Memory: at most max_jobs x max_bytes in keys, plus READ_BUDGET, plus what is queued.
 """
 from __future__ import annotations
 
@@ -33,6 +35,7 @@ HANDSHAKE_TIMEOUT = 5.0           # s a connection has for its whole handshake
 MAX_CONNECTIONS = 256
 MAX_QUEUED = 64 << 20              # bytes of results queued for one connection before it is cut
 READ_BUFFER = 4 << 20             # StreamReader buffer (flow control), not a bound on frames
+READ_BUDGET = 64 << 20            # payload bytes being read at once, all connections together
 JOB_RE = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
 MAX_LOGGED = 100                   # refusal lines logged per process (then counted only)
 
@@ -64,6 +67,24 @@ class Conn:
             self.writer.transport.abort()
 
 
+class ByteBudget:
+    """Bytes that may be in the middle of being read; a reader waits for its share."""
+
+    def __init__(self, total: int) -> None:
+        self.free = total
+        self.cond = asyncio.Condition()
+
+    async def take(self, n: int) -> None:
+        async with self.cond:
+            await self.cond.wait_for(lambda: self.free >= n)
+            self.free -= n
+
+    async def give(self, n: int) -> None:
+        async with self.cond:
+            self.free += n
+            self.cond.notify_all()
+
+
 class Service:
     """Serve one job secret's ranks: reduce per key, answer every contributor."""
 
@@ -73,6 +94,7 @@ class Service:
         self.limits = limits
         self.table = Table(limits)
         self.bucket = TokenBucket(rate_bps)
+        self.budget = ByteBudget(max(READ_BUDGET, limits.max_chunk))
         self.max_connections = max_connections
         self.connections = 0
         self.refusals = 0
@@ -106,9 +128,21 @@ class Service:
 
     # ------------------------------------------------------------------ connections
     async def _read(self, reader: asyncio.StreamReader) -> tuple[Header, bytes]:
+        """One frame; its payload is read within the read budget, which the caller gives back
+        (``_serve`` for a CONTRIB once it is folded in; here for anything else)."""
         h = aggwire.unpack(await reader.readexactly(aggwire.HEADER_SIZE),
                            self.limits.max_chunk, self.limits.max_world)
-        return h, (await reader.readexactly(h.length) if h.length else b"")
+        if not h.length:
+            return h, b""
+        await self.budget.take(h.length)
+        try:
+            payload = await reader.readexactly(h.length)
+        except BaseException:
+            await self.budget.give(h.length)
+            raise
+        if h.type != aggwire.CONTRIB:
+            await self.budget.give(h.length)
+        return h, payload
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         if self.connections >= self.max_connections:
@@ -180,18 +214,26 @@ class Service:
             if h.type != aggwire.CONTRIB:
                 raise ProtocolError(f"{aggwire.TYPE_NAMES[h.type]} where a CONTRIB belongs")
             try:
-                if h.rank != conn.rank or h.world != conn.world:
-                    raise Refused(aggwire.E_AUTH, f"contribution as rank {h.rank}/{h.world} on "
-                                  f"the connection of rank {conn.rank}/{conn.world}")
-                entry = self.table.contribute(conn.job, h, payload, conn, loop.time())
-            except Refused as r:
-                self._refuse(f"job {conn.job!r} rank {conn.rank}: {r}")
-                conn.send(aggwire.error(r.code, str(r), op_id=h.op_id, chunk=h.chunk,
-                                        rank=conn.rank, world=conn.world))
-                continue
+                entry = self._fold(conn, h, payload, loop.time())
+            finally:
+                await self.budget.give(h.length)
             if entry is not None:
                 await self._answer(h, entry)
             await conn.writer.drain()
+
+    def _fold(self, conn: Conn, h: Header, payload: bytes, now: float) -> Optional[Entry]:
+        """One contribution into the table: the entry if it completed its key; a refusal is
+        answered to the rank (never fatal to the connection)."""
+        try:
+            if h.rank != conn.rank or h.world != conn.world:
+                raise Refused(aggwire.E_AUTH, f"contribution as rank {h.rank}/{h.world} on "
+                              f"the connection of rank {conn.rank}/{conn.world}")
+            return self.table.contribute(conn.job, h, payload, conn, now)
+        except Refused as r:
+            self._refuse(f"job {conn.job!r} rank {conn.rank}: {r}")
+            conn.send(aggwire.error(r.code, str(r), op_id=h.op_id, chunk=h.chunk,
+                                    rank=conn.rank, world=conn.world))
+            return None
 
     async def _answer(self, h: Header, entry: Entry) -> None:
         """Pace the result at the switch's rate, then send it to every contributor."""
@@ -258,6 +300,7 @@ def _args(argv: Optional[list[str]]) -> argparse.Namespace:
     p.add_argument("--key-timeout", type=float, default=Limits.key_timeout)
     p.add_argument("--max-keys", type=int, default=Limits.max_keys)
     p.add_argument("--max-bytes", type=int, default=Limits.max_bytes)
+    p.add_argument("--max-jobs", type=int, default=Limits.max_jobs)
     p.add_argument("--max-chunk", type=int, default=Limits.max_chunk)
     p.add_argument("--max-world", type=int, default=Limits.max_world)
     p.add_argument("--max-connections", type=int, default=MAX_CONNECTIONS)
@@ -270,7 +313,7 @@ def _config(a: argparse.Namespace) -> tuple[str, int, Limits, Optional[int]]:
     host, _, port = a.listen.rpartition(":")
     if not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise ConfigError(f"--listen {a.listen!r}: expected ADDR:PORT, e.g. 198.18.1.254:29400")
-    for name in ("key_timeout", "max_keys", "max_bytes", "max_chunk", "max_world",
+    for name in ("key_timeout", "max_keys", "max_bytes", "max_jobs", "max_chunk", "max_world",
                  "max_connections"):
         if not getattr(a, name) > 0:
             raise ConfigError(f"--{name.replace('_', '-')} {getattr(a, name)}: expected > 0")
@@ -278,7 +321,8 @@ def _config(a: argparse.Namespace) -> tuple[str, int, Limits, Optional[int]]:
         raise ConfigError(f"--max-chunk / --max-world: at most {aggwire.MAX_CHUNK} / "
                           f"{aggwire.MAX_WORLD}")
     rate = parse_rate(a.rate, "--rate") if a.rate else None
-    limits = Limits(a.max_keys, a.max_bytes, a.key_timeout, a.max_chunk, a.max_world)
+    limits = Limits(max_keys=a.max_keys, max_bytes=a.max_bytes, max_jobs=a.max_jobs,
+                    key_timeout=a.key_timeout, max_chunk=a.max_chunk, max_world=a.max_world)
     return host, int(port), limits, rate
 
 

@@ -4,8 +4,8 @@ A key is (job, op_id, chunk). Its first contribution fixes dtype, op, element co
 every later one must match them and come from a rank not yet counted, or it is refused and the
 key is left exactly as it was. Each key holds one accumulator (the running reduction), never a
 copy per rank, so a key costs its chunk's bytes whatever the world size; a job may hold at most
-``max_keys`` keys and ``max_bytes`` bytes of them, and a contribution that would open a key
-beyond that is refused (E_BUSY), not buffered. Floating-point sums follow arrival order, and
+``max_keys`` keys and ``max_bytes`` bytes of them, at most ``max_jobs`` jobs hold keys at once,
+and a contribution that would open a key beyond that is refused (E_BUSY), not buffered. Floating-point sums follow arrival order, and
 every rank receives the same bytes.
 """
 from __future__ import annotations
@@ -34,6 +34,7 @@ class Limits:
     """What one job may hold in the switch at once, and for how long."""
     max_keys: int = 256
     max_bytes: int = 256 << 20
+    max_jobs: int = 4
     key_timeout: float = 10.0
     max_chunk: int = aggwire.MAX_CHUNK
     max_world: int = aggwire.MAX_WORLD
@@ -106,6 +107,9 @@ class Table:
     def _open(self, job: str, key: tuple[str, int, int], h: Header, data: np.ndarray,
               now: float) -> Entry:
         """A new key, if the job has room for it (checked before the accumulator exists)."""
+        if job not in self.usage and len(self.usage) >= self.limits.max_jobs:
+            raise Refused(aggwire.E_BUSY, f"op {h.op_id} chunk {h.chunk}: {len(self.usage)} "
+                          f"jobs hold keys (at most {self.limits.max_jobs}); retry later")
         use = self.usage.setdefault(job, JobUsage())
         if use.keys + 1 > self.limits.max_keys or use.bytes + h.length > self.limits.max_bytes:
             if not use.keys:

@@ -343,3 +343,31 @@ def test_aggregator_addresses_and_service_arguments_are_checked():
         _config(_args(["--listen", "1.2.3.4:9", "--max-keys", "0"]))
     with pytest.raises(SpecError, match="--rate"):
         _config(_args(["--listen", "1.2.3.4:9", "--rate", "100"]))
+
+
+def test_jobs_and_bytes_in_the_middle_of_a_read_are_bounded():
+    from testbed.aggregation.service import ByteBudget
+    r = Running(Service(auth.secret_bytes(SECRET), Limits(max_jobs=1)))
+    try:
+        t = AggregationChannel("127.0.0.1", r.port, 0, 2, SECRET, job="t")
+        u = AggregationChannel("127.0.0.1", r.port, 0, 2, SECRET, job="u")
+        t.submit(1, 0, np.ones(4, np.float32))
+        assert _refusal(u, np.ones(4, np.float32)).code == "busy"
+        assert r.stats() == (1, 16)
+    finally:
+        r.stop()
+
+    async def budget() -> list[str]:
+        b, order = ByteBudget(100), []
+
+        async def reader(name: str, n: int) -> None:
+            await b.take(n)
+            order.append(name)
+        await b.take(60)
+        waiting = asyncio.create_task(reader("second", 50))
+        await asyncio.sleep(0.01)
+        order.append("gave")
+        await b.give(60)
+        await waiting
+        return order
+    assert asyncio.run(budget()) == ["gave", "second"]
