@@ -177,3 +177,20 @@ def test_a_sigkilled_run_leaves_a_service_that_its_clean_up_ends(no_leftovers):
         assert time.monotonic() < deadline, "the service outlived its namespace"
         time.sleep(0.05)
     assert not any(n.startswith(f"{state.PREFIX}{run_id}-") for n in netns.listing())
+
+
+def test_ranks_get_the_fabrics_secret_and_the_switches(tmp_path):
+    from types import SimpleNamespace
+
+    from testbed.run.workload import Phase, WorkloadRunner
+    topo = spec.loads(AGG)
+    fabric = SimpleNamespace(topo=topo, caps=SimpleNamespace(congestion_control=lambda t: ""),
+                             job_secret="f" * 32,
+                             aggregator_env=lambda: Fabric.aggregator_env(SimpleNamespace(
+                                 topo=topo)))
+    w = SimpleNamespace(hosts=None, system="nezha", kind="command")
+    env = WorkloadRunner(fabric, w, tmp_path).env_for(
+        "h2", 1, 29500, Phase("command", 0, None, None, "command"), tmp_path / "e",
+        tmp_path / "r")
+    assert env["NEZHA_JOB_SECRET"] == "f" * 32
+    assert env["NEZHA_AGGREGATORS"] == "r1=198.18.1.254:29400"
