@@ -187,7 +187,7 @@ def test_ranks_get_the_fabrics_secret_and_the_switches(tmp_path):
     fabric = SimpleNamespace(topo=topo, caps=SimpleNamespace(congestion_control=lambda t: ""),
                              job_secret="f" * 32,
                              aggregator_env=lambda: Fabric.aggregator_env(SimpleNamespace(
-                                 topo=topo)))
+                                 topo=topo, aggregation_port=control.PORT)))
     w = SimpleNamespace(hosts=None, system="nezha", kind="command")
     env = WorkloadRunner(fabric, w, tmp_path).env_for(
         "h2", 1, 29500, Phase("command", 0, None, None, "command"), tmp_path / "e",

@@ -25,6 +25,7 @@ from testbed.errors import FabricError
 from testbed.kernel import netns
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+PORT = aggwire.DEFAULT_PORT   # where the fabric runs every aggregation service
 START_TIMEOUT = 15.0       # s for the service to answer its first PING (python + numpy import)
 STOP_GRACE = 2.0           # s after SIGTERM before SIGKILL
 

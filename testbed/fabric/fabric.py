@@ -16,12 +16,10 @@ import secrets
 import subprocess
 import time
 from dataclasses import dataclass, field, replace
-from typing import Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
 from pyroute2 import IPRoute
 
-from nezha.aggwire import DEFAULT_PORT as AGGREGATION_PORT
-from testbed.aggregation import control as aggregation
 from testbed.kernel import netns, tc
 from testbed.kernel.capabilities import Capabilities, probe
 from testbed.errors import FabricError
@@ -30,8 +28,18 @@ from testbed.model.spec import BRIDGE, Shape, Topology, check_capabilities
 from testbed.fabric.guard import checkpoint, interrupts_at_checkpoints
 from testbed.fabric.state import RunState, lock as state_lock
 
+if TYPE_CHECKING:
+    from testbed.aggregation.control import Aggregator
+
 log = logging.getLogger(__name__)
 RTAX_RTO_MIN = 13  # route metric index; TCP honours it only when the metric is locked
+
+
+def _aggregation():
+    """testbed.aggregation.control, imported on first use: it brings nezha and numpy (0.25 s
+    of every CLI start, measured) that a fabric without aggregation rails never needs."""
+    from testbed.aggregation import control
+    return control
 
 
 def _intf(ns: str, name: str, ipr: IPRoute) -> "Intf":
@@ -182,7 +190,7 @@ class Fabric:
         self._ipr: dict[str, IPRoute] = {}   # namespace -> netlink socket inside it
         # the job secret of this run's ranks (testbed.run.workload) and aggregation switches
         self.job_secret = secrets.token_hex(16)
-        self.aggregators: dict[str, aggregation.Aggregator] = {}   # rail -> running service
+        self.aggregators: dict[str, Aggregator] = {}   # rail -> running service
         self.build_seconds = 0.0
         self.attached = False
 
@@ -213,7 +221,7 @@ class Fabric:
         """Delete every namespace this run recorded; returns seconds taken."""
         t0 = time.monotonic()
         for agg in self.aggregators.values():
-            aggregation.stop(agg)
+            _aggregation().stop(agg)
         self.aggregators.clear()
         for host in self.hosts.values():
             for proc in host.processes:
@@ -326,14 +334,15 @@ class Fabric:
             address = rail.switch_address
             if address is None:
                 continue
+            aggregation, port = _aggregation(), self.aggregation_port
             checkpoint()
             ns = self.rails[rail.name].ns
             ipr = self._ipr[ns]
             self._address(_intf(ns, BRIDGE, ipr), address)
             self.state.record_object(kind="aggregator", ns=ns, rail=rail.name,
-                                     address=str(address.ip), port=AGGREGATION_PORT)
+                                     address=str(address.ip), port=port)
             self.state.save()
-            agg = aggregation.start(rail.name, ns, str(address.ip), AGGREGATION_PORT,
+            agg = aggregation.start(rail.name, ns, str(address.ip), port,
                                     self.job_secret, rail.aggregation_rate_bps)
             self.aggregators[rail.name] = agg
             self.state.objects[-1]["pid"] = agg.proc.pid      # nsenter execs: the service
@@ -349,9 +358,9 @@ class Fabric:
             if rail.switch_address is None:
                 continue
             ip, ns = str(rail.switch_address.ip), self.state.ns_name(f"sw-{rail.name}")
-            entry: dict = {"endpoint": f"{ip}:{AGGREGATION_PORT}"}
+            entry: dict = {"endpoint": f"{ip}:{self.aggregation_port}"}
             try:
-                pong = netns.call_in(ns, aggregation.ping, ip, AGGREGATION_PORT)
+                pong = netns.call_in(ns, _aggregation().ping, ip, self.aggregation_port)
                 entry.update(answers=True, keys=pong.get("keys"), bytes=pong.get("bytes"))
             except Exception as e:   # noqa: BLE001 - reported, not raised: status describes
                 entry.update(answers=False, error=str(e)[:200])
@@ -360,8 +369,13 @@ class Fabric:
 
     def aggregator_env(self) -> str:
         """NEZHA_AGGREGATORS for the ranks: ``RAIL=ADDR:PORT`` per aggregation rail."""
-        return ",".join(f"{r.name}={r.switch_address.ip}:{AGGREGATION_PORT}"
+        return ",".join(f"{r.name}={r.switch_address.ip}:{self.aggregation_port}"
                         for r in self.topo.rails if r.switch_address is not None)
+
+    @property
+    def aggregation_port(self) -> int:
+        """The aggregation service's port on every aggregation rail (nezha.aggwire's)."""
+        return _aggregation().PORT
 
     def _rail_gso(self, rail: str) -> int:
         """gso_max_size for every interface of ``rail``: from its slowest link (tc.gso_size)."""
