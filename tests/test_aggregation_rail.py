@@ -125,11 +125,11 @@ def _zombie(pid: int) -> bool:
 
 
 @pytest.mark.netns
-@pytest.mark.parametrize("argv,message", [
-    (["-c", "import sys; print('boom'); sys.exit(3)"], "exited with 3: boom"),
-    (["-c", "import time; time.sleep(30)"], "does not answer on 198.18.1.254:29400"),
+@pytest.mark.parametrize("argv,wait,message", [
+    (["-c", "import sys; print('boom'); sys.exit(3)"], 30.0, "exited with 3: boom"),
+    (["-c", "import time; time.sleep(30)"], 1.0, "does not answer on 198.18.1.254:29400"),
 ])
-def test_a_switch_that_does_not_answer_fails_the_build(monkeypatch, no_leftovers, argv,
+def test_a_switch_that_does_not_answer_fails_the_build(monkeypatch, no_leftovers, argv, wait,
                                                        message):
     started = []
 
@@ -139,7 +139,7 @@ def test_a_switch_that_does_not_answer_fails_the_build(monkeypatch, no_leftovers
         started.append(proc)
         return control.Aggregator(rail, ns, address, port, proc, log)
     monkeypatch.setattr(control, "start", bogus)
-    monkeypatch.setattr(control, "START_TIMEOUT", 1.0)
+    monkeypatch.setattr(control, "START_TIMEOUT", wait)
     with pytest.raises(FabricError, match=message):
         Fabric(spec.loads(AGG)).build()
     assert started and all(p.poll() is not None for p in started)
