@@ -52,6 +52,8 @@ NEZHA_DTYPE                 str      float32         worker: element type
 NEZHA_OP                    str      sum             worker: reduction op
 NEZHA_RESULTS               path     (none)          worker: JSON-lines results
 NEZHA_RAIL_NAMES            list     -               set by the testbed; nezha ignores it
+NEZHA_AGGREGATORS           list     (none)          aggregation switches, RAIL=ADDR:PORT,...
+                                                     (set by the testbed for aggregation rails)
 ==========================  =======  ==============  ===============================================
 
 .. [#] only when NEZHA_DURATION is not given either.
@@ -111,6 +113,18 @@ class _Env:
                               f"rail, not all zero (e.g. 3,1)")
         return out
 
+    def aggregators(self, name: str) -> tuple[tuple[str, str, int], ...]:
+        """``r1=198.18.1.254:29400,r2=...``: (rail, address, port) of each aggregation switch."""
+        out = []
+        for item in filter(None, (self.str(name) or "").split(",")):
+            rail, _, endpoint = item.partition("=")
+            addr, _, port = endpoint.rpartition(":")
+            if not rail or not addr or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ConfigError(f"{name}={self.str(name)!r}: expected RAIL=ADDR:PORT[,...] "
+                                  "(e.g. r1=198.18.1.254:29400)")
+            out.append((rail, addr, int(port)))
+        return tuple(out)
+
     def secret(self, name: str) -> Optional[str]:
         v = self.str(name)
         if v is not None and len(v.encode()) < MIN_SECRET:
@@ -149,6 +163,7 @@ class Config:
     hedge: bool = True
     trace: bool = False
     shares: Optional[tuple[float, ...]] = None   # stripe: pinned proportions per rail
+    aggregators: tuple[tuple[str, str, int], ...] = ()   # (rail, address, port) per switch
 
     @classmethod
     def from_env(cls, environ: Optional[Mapping[str, str]] = None) -> "Config":
@@ -179,6 +194,7 @@ class Config:
             hedge=e.str("NEZHA_HEDGE", "1") != "0",
             trace=e.str("NEZHA_TRACE") is not None,
             shares=e.shares("NEZHA_SHARES"),
+            aggregators=e.aggregators("NEZHA_AGGREGATORS"),
         )
 
 

@@ -72,3 +72,25 @@ class AllRailsDownError(CommError):
 
 class CommTimeout(CommError, TimeoutError):
     """A collective did not complete within the context's timeout."""
+
+
+class AggregatorError(CommError):
+    """An aggregation switch (an in-network reduction rail) failed a contribution."""
+
+
+class AggregatorUnavailable(AggregatorError):
+    """The aggregation switch cannot be reached, or its connection is gone: every
+    contribution still in flight on it failed (the caller moves them to other rails)."""
+
+
+class AggregatorTimeout(AggregatorUnavailable, TimeoutError):
+    """No result from the aggregation switch within the timeout."""
+
+
+class AggregationRefused(AggregatorError):
+    """The switch refused one contribution or gave up its key (``code``: busy, duplicate,
+    mismatch, timeout, ...); the connection stays usable."""
+
+    def __init__(self, message: str, code: str = "") -> None:
+        super().__init__(message)
+        self.code = code

@@ -48,6 +48,7 @@ def cmd_validate(args) -> int:
     from testbed.kernel.capabilities import probe
     from testbed.model.scenario import build
     from testbed.model.spec import check_capabilities, load
+    from testbed.model.units import format_rate
     topo = load(args.file)
     if not args.no_kernel:
         check_capabilities(topo, probe())
@@ -55,7 +56,12 @@ def cmd_validate(args) -> int:
     print(f"{topo.source}: valid — {len(topo.hosts)} hosts x {len(topo.rails)} rails "
           f"({topo.wiring} wiring, {topo.backend} backend)")
     for r in topo.rails:
-        print(f"  rail {r.name}: {r.subnet}, {r.shape.describe()}, mtu {r.mtu}")
+        agg = ""
+        if r.switch_address is not None:
+            agg = (f", aggregation switch on {r.switch_address.ip}"
+                   + (f" at {format_rate(r.aggregation_rate_bps)}"
+                      if r.aggregation_rate_bps else ""))
+        print(f"  rail {r.name}: {r.subnet}, {r.shape.describe()}, mtu {r.mtu}{agg}")
     overrides = [l for l in topo.links.values() if l.shape != topo.rail(l.rail).shape]
     for l in overrides:
         print(f"  link {l.name}: {l.shape.describe()}")
@@ -148,6 +154,10 @@ def _print_status(fab) -> None:
         down = link.down_shaper.read_back().describe()
         print(f"  {link.name:<12} {topo.link(link.host, link.rail).address!s:<18} "
               f"{'up' if d['up'] else 'DOWN':<6} {up:<34} {down}")
+    for rail, agg in fab.aggregator_health().items():
+        state_ = (f"answers ({agg['keys']} keys, {agg['bytes']} bytes pending)"
+                  if agg["answers"] else f"DOES NOT ANSWER ({agg['error']})")
+        print(f"  aggregation switch of {rail} on {agg['endpoint']}: {state_}")
 
 
 def cmd_clean(args) -> int:

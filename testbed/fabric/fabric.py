@@ -10,11 +10,13 @@ veth is created inside its host's namespace with its peer placed straight into t
 """
 from __future__ import annotations
 
+import ipaddress
 import logging
+import secrets
 import subprocess
 import time
 from dataclasses import dataclass, field, replace
-from typing import Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
 from pyroute2 import IPRoute
 
@@ -26,8 +28,18 @@ from testbed.model.spec import BRIDGE, Shape, Topology, check_capabilities
 from testbed.fabric.guard import checkpoint, interrupts_at_checkpoints
 from testbed.fabric.state import RunState, lock as state_lock
 
+if TYPE_CHECKING:
+    from testbed.aggregation.control import Aggregator
+
 log = logging.getLogger(__name__)
 RTAX_RTO_MIN = 13  # route metric index; TCP honours it only when the metric is locked
+
+
+def _aggregation():
+    """testbed.aggregation.control, imported on first use: it brings nezha and numpy (0.25 s
+    of every CLI start, measured) that a fabric without aggregation rails never needs."""
+    from testbed.aggregation import control
+    return control
 
 
 def _intf(ns: str, name: str, ipr: IPRoute) -> "Intf":
@@ -176,6 +188,9 @@ class Fabric:
         self.rails: dict[str, Rail] = {}
         self.links: dict[str, Link] = {}
         self._ipr: dict[str, IPRoute] = {}   # namespace -> netlink socket inside it
+        # the job secret of this run's ranks (testbed.run.workload) and aggregation switches
+        self.job_secret = secrets.token_hex(16)
+        self.aggregators: dict[str, Aggregator] = {}   # rail -> running service
         self.build_seconds = 0.0
         self.attached = False
 
@@ -205,6 +220,9 @@ class Fabric:
     def teardown(self) -> float:
         """Delete every namespace this run recorded; returns seconds taken."""
         t0 = time.monotonic()
+        for agg in self.aggregators.values():
+            _aggregation().stop(agg)
+        self.aggregators.clear()
         for host in self.hosts.values():
             for proc in host.processes:
                 if proc.poll() is None:
@@ -302,10 +320,62 @@ class Fabric:
             spec_link = topo.link(link.host, link.rail)
             for end in (link.host_end, link.peer_end):
                 end.ipr.link("set", index=end.index, mtu=spec_link.mtu)
-            self._address(link.host_end, spec_link)
+            self._address(link.host_end, spec_link.address)
             link.set_state(True)
         self.progress(f"{len(self.links)} links shaped and addressed")
         self._wait_operational()
+        self._start_aggregators()
+
+    def _start_aggregators(self) -> None:
+        """Every aggregation rail: its switch's bridge gets the rail's switch address, and the
+        aggregation service starts in the switch namespace, recorded in the run state before it
+        starts, then read back (PING) before the build goes on."""
+        for rail in self.topo.rails:
+            address = rail.switch_address
+            if address is None:
+                continue
+            aggregation, port = _aggregation(), self.aggregation_port
+            checkpoint()
+            ns = self.rails[rail.name].ns
+            ipr = self._ipr[ns]
+            self._address(_intf(ns, BRIDGE, ipr), address)
+            self.state.record_object(kind="aggregator", ns=ns, rail=rail.name,
+                                     address=str(address.ip), port=port)
+            self.state.save()
+            agg = aggregation.start(rail.name, ns, str(address.ip), port,
+                                    self.job_secret, rail.aggregation_rate_bps)
+            self.aggregators[rail.name] = agg
+            self.state.objects[-1]["pid"] = agg.proc.pid      # nsenter execs: the service
+            self.state.save()
+            aggregation.wait_ready(agg)
+            self.progress(f"aggregation switch of {rail.name} on {agg.endpoint}")
+
+    def aggregator_health(self) -> dict[str, dict]:
+        """Every aggregation rail's switch, read back now (a PING from inside its namespace):
+        {rail: {endpoint, answers, keys, bytes} or {endpoint, answers: False, error}}."""
+        out = {}
+        for rail in self.topo.rails:
+            if rail.switch_address is None:
+                continue
+            ip, ns = str(rail.switch_address.ip), self.state.ns_name(f"sw-{rail.name}")
+            entry: dict = {"endpoint": f"{ip}:{self.aggregation_port}"}
+            try:
+                pong = netns.call_in(ns, _aggregation().ping, ip, self.aggregation_port)
+                entry.update(answers=True, keys=pong.get("keys"), bytes=pong.get("bytes"))
+            except Exception as e:   # noqa: BLE001 - reported, not raised: status describes
+                entry.update(answers=False, error=str(e)[:200])
+            out[rail.name] = entry
+        return out
+
+    def aggregator_env(self) -> str:
+        """NEZHA_AGGREGATORS for the ranks: ``RAIL=ADDR:PORT`` per aggregation rail."""
+        return ",".join(f"{r.name}={r.switch_address.ip}:{self.aggregation_port}"
+                        for r in self.topo.rails if r.switch_address is not None)
+
+    @property
+    def aggregation_port(self) -> int:
+        """The aggregation service's port on every aggregation rail (nezha.aggwire's)."""
+        return _aggregation().PORT
 
     def _rail_gso(self, rail: str) -> int:
         """gso_max_size for every interface of ``rail``: from its slowest link (tc.gso_size)."""
@@ -406,8 +476,8 @@ class Fabric:
             if pending:
                 time.sleep(0.005)
 
-    def _address(self, intf: Intf, spec_link) -> None:
-        ip, subnet = str(spec_link.address.ip), spec_link.address.network
+    def _address(self, intf: Intf, address: ipaddress.IPv4Interface) -> None:
+        ip, subnet = str(address.ip), address.network
         intf.ipr.addr("add", index=intf.index, address=ip, prefixlen=subnet.prefixlen)
         rto = self.topo.tcp.get("rto_min_s")
         if rto:
@@ -434,4 +504,5 @@ class Fabric:
         return {"name": self.topo.name, "run_id": self.state.run_id if self.state else None,
                 "hosts": {h.name: {"namespace": h.ns, "addresses": h.addresses}
                           for h in self.hosts.values()},
-                "links": [l.describe() for l in self.links.values()]}
+                "links": [l.describe() for l in self.links.values()],
+                "aggregators": self.aggregator_health()}

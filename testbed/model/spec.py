@@ -37,7 +37,10 @@ RESERVED_NAMES = frozenset({"lo", BRIDGE, "all", "default", "sit0", "tunl0", "gr
 TOP_KEYS = ("name", "description", "hosts", "rails", "links", "wiring", "addressing",
             "rail_prefix", "backend", "tcp", "workload", "faults", "expect", "capture")
 SHAPE_KEYS = ("bandwidth", "loss", "delay", "jitter")
-RAIL_KEYS = ("name", "mtu") + SHAPE_KEYS
+RAIL_KEYS = ("name", "mtu", "protocol", "aggregation_rate") + SHAPE_KEYS
+# tcp: hosts talk to each other through the rail's bridge; aggregation: the rail's switch also
+# reduces (an aggregation service on the bridge's address, testbed/aggregation)
+PROTOCOLS = ("tcp", "aggregation")
 
 
 @dataclass(frozen=True)
@@ -77,6 +80,17 @@ class RailSpec:
     subnet: ipaddress.IPv4Network
     shape: Shape
     mtu: int = 1500
+    protocol: str = "tcp"
+    aggregation_rate_bps: Optional[int] = None     # the switch's reduction rate; None: unpaced
+
+    @property
+    def switch_address(self) -> Optional[ipaddress.IPv4Interface]:
+        """Where an aggregation rail's switch listens: the subnet's last usable address (hosts
+        take the first ones, and the spec refuses a rail too full to leave it free)."""
+        if self.protocol != "aggregation":
+            return None
+        return ipaddress.IPv4Interface(f"{self.subnet.broadcast_address - 1}/"
+                                       f"{self.subnet.prefixlen}")
 
 
 @dataclass(frozen=True)
@@ -132,6 +146,7 @@ class Topology:
             "name": self.name, "description": self.description, "backend": self.backend,
             "wiring": self.wiring, "addressing": str(self.addressing), "hosts": list(self.hosts),
             "rails": [{"name": r.name, "subnet": str(r.subnet), "mtu": r.mtu,
+                       "protocol": r.protocol, "aggregation_rate_bps": r.aggregation_rate_bps,
                        **r.shape.to_dict()} for r in self.rails],
             "links": {l.name: {"address": str(l.address), "mtu": l.mtu, **l.shape.to_dict()}
                       for l in self.links.values()},
@@ -274,8 +289,32 @@ def _check_room(n_rails: int, n_hosts: int, block: ipaddress.IPv4Network,
                         "(e.g. rail_prefix: 20 with addressing: 198.18.0.0/15)")
 
 
+def _parse_protocol(raw: dict, f: str, wiring: str, n_hosts: int,
+                    subnet: ipaddress.IPv4Network) -> tuple[str, Optional[int]]:
+    """(protocol, aggregation rate) of one rail; aggregation needs a switch and a free address
+    on the rail's subnet for it."""
+    protocol = raw.get("protocol", "tcp")
+    if protocol not in PROTOCOLS:
+        raise SpecError(f"{f}.protocol", f"{quote(protocol)} is not a rail protocol",
+                        f"one of: {', '.join(PROTOCOLS)}")
+    if protocol == "tcp":
+        if "aggregation_rate" in raw:
+            raise SpecError(f"{f}.aggregation_rate", "given on a tcp rail",
+                            "protocol: aggregation with it, or no aggregation_rate")
+        return protocol, None
+    if wiring != "switch":
+        raise SpecError(f"{f}.protocol", f"aggregation with wiring: {wiring} (the aggregation "
+                        "service runs in the rail's switch)", "wiring: switch, or protocol: tcp")
+    if n_hosts >= subnet.num_addresses - 2:
+        raise SpecError(f"{f}.protocol", f"{n_hosts} hosts fill the rail's {subnet}, and an "
+                        "aggregation rail's switch needs its last usable address",
+                        "fewer hosts, or a shorter rail_prefix")
+    rate = raw.get("aggregation_rate")
+    return protocol, (None if rate is None else parse_rate(rate, f"{f}.aggregation_rate"))
+
+
 def _parse_rails(rails_raw: Any, hosts: tuple[str, ...], block: ipaddress.IPv4Network,
-                 rail_prefix: int) -> tuple[RailSpec, ...]:
+                 rail_prefix: int, wiring: str = "switch") -> tuple[RailSpec, ...]:
     if not isinstance(rails_raw, list) or not rails_raw:
         raise SpecError("rails", f"{quote(rails_raw)} given",
                         "a non-empty list of rails, e.g. [{name: r0, bandwidth: 200mbit}]")
@@ -295,7 +334,10 @@ def _parse_rails(rails_raw: Any, hosts: tuple[str, ...], block: ipaddress.IPv4Ne
             raise SpecError(f"{f}.name", f"{quote(rname)} is also a host name",
                             "rail names distinct from host names")
         mtu = _parse_mtu(raw.get("mtu", 1500), f"{f}.mtu")
-        rails.append(RailSpec(rname, i, next(subnets), _parse_shape(raw, f, Shape()), mtu))
+        subnet = next(subnets)
+        protocol, agg_rate = _parse_protocol(raw, f, wiring, len(hosts), subnet)
+        rails.append(RailSpec(rname, i, subnet, _parse_shape(raw, f, Shape()), mtu, protocol,
+                              agg_rate))
     return tuple(rails)
 
 
@@ -366,7 +408,7 @@ def parse(doc: Any, source: Optional[str] = None, default_name: str = "topology"
     wiring = _parse_wiring(doc.get("wiring", "switch"), hosts)
     backend = _parse_backend(doc.get("backend", "pyroute2"))
     block, rail_prefix = _parse_addressing(doc)
-    rails = _parse_rails(doc.get("rails"), hosts, block, rail_prefix)
+    rails = _parse_rails(doc.get("rails"), hosts, block, rail_prefix, wiring)
     links = _rail_links(hosts, rails)
     _apply_link_overrides(links, doc.get("links") or {}, hosts, rails, wiring)
     tcp = _parse_tcp(doc.get("tcp") or {})

@@ -6,7 +6,9 @@ user's own program on every host with the rails and the rendezvous in environmen
 (Nezha's and torchrun's), `train` a DDP job (testbed/run/train.py) once per backend, after a
 fault-free reference run of it when the file has faults and `reference: auto`.
 Every rank of a run (a `command` too) gets the run's job secret, NEZHA_JOB_SECRET, drawn afresh
-per run: the store and the rails of a run admit only its own ranks.
+per run (by the fabric, whose aggregation switches hold it too): the store, the rails and the
+aggregation switches of a run admit only its own ranks. NEZHA_AGGREGATORS names the switches of
+aggregation rails (RAIL=ADDR:PORT,...).
 """
 from __future__ import annotations
 
@@ -112,7 +114,9 @@ class WorkloadRunner:
         self.current: list[RankProcess] = []
         self._port = BASE_PORT
         self._mptcp_ready = False
-        self.secret = secrets.token_hex(16)     # NEZHA_JOB_SECRET of every rank of this run
+        # NEZHA_JOB_SECRET of every rank of this run: the fabric's, which its aggregation
+        # switches were given (a fabric handle without one: a fresh secret)
+        self.secret = getattr(fabric, "job_secret", None) or secrets.token_hex(16)
         # every rank's sockets use it (NEZHA_TCP_CONGESTION), whatever the namespace default
         self.congestion = fabric.caps.congestion_control(fabric.topo)
 
@@ -145,6 +149,10 @@ class WorkloadRunner:
         })
         if self.congestion:
             env["NEZHA_TCP_CONGESTION"] = self.congestion
+        aggregators = self.fabric.aggregator_env() if hasattr(self.fabric, "aggregator_env") \
+            else ""
+        if aggregators:
+            env["NEZHA_AGGREGATORS"] = aggregators
         return env
 
     def torchrun_env(self, rank: int, port: int) -> dict[str, str]:
