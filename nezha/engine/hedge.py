@@ -1,7 +1,9 @@
 """Hedging: a share that falls behind is also sent on a rail that has already finished.
 
 A message is done when its last share is. When one rail's share is late (its siblings on
-the other rails were all acknowledged a while ago) its unacknowledged chunks are queued
+the other rails were all acknowledged a while ago and, once the split comes from measured
+costs, it has been on its rail longer than the model says it takes) its unacknowledged
+chunks are queued
 again on the best finished rail; the receiver keeps whichever copy arrives first (chunks are
 named by offset) and acknowledges both. What a retransmission timeout, a burst of loss, a
 stalled peer thread or a rail that just died costs one message is then about the lateness
@@ -35,6 +37,8 @@ import math
 HEDGE_MIN_S = 0.010       # a share is late only this long after its last sibling finished...
 HEDGE_FACTOR = 0.1        # ...and by a tenth of the time the siblings took (1 % loss, 2 x 200
                           # Mbit/s: 0.1 gave 1.18x the single rail, 0.25 1.09x, 1.0 1.02x)
+HEDGE_OVERDUE = 1.5       # in HOT, only a share on its rail for this x what the agreed model
+                          # says it takes (Hedging._overdue)
 
 
 class Hedging:
@@ -55,7 +59,7 @@ class Hedging:
                 took = max(t - msg.t0.get(r, msg.t_queued) for r, t in msg.done_at.items())
                 if now - last < max(HEDGE_MIN_S, HEDGE_FACTOR * took):
                     continue
-                late = [r for r, n in msg.left.items() if n > 0]
+                late = [r for r, n in msg.left.items() if n > 0 and self._overdue(msg, r, now)]
                 to = self._hedge_target(msg) if late else None
                 if to is None:
                     continue
@@ -74,6 +78,25 @@ class Hedging:
         for peer, rail, n, to, late_ms, key in done:
             self.events.emit("hedged", peer=peer, rail=rail, chunks=n, to=to,
                              late_ms=round(late_ms, 1), op=key[0], step=key[1])
+
+    def _overdue(self, msg, rail: int, now: float) -> bool:
+        """Is the share on ``rail`` late by the agreed model, not only by its siblings? In HOT
+        the split is set by each rail's slowest hop of the ring, so on a faster hop some rail
+        finishes first every time: one slow attachment (4 hosts, r0 200 + r1 100 Mbit/s, one
+        host's r0 link at 40) had every hop but the slow one copying shares, 600 chunks in 16
+        operations; the copies delayed the next shares, made the rails look up to twice as
+        slow as they are and the split wander (122 Mbit/s, 129 without hedging, like MPTCP).
+        A share is overdue once it has been on its rail HEDGE_OVERDUE x a + bytes x b; a
+        rail that slowed or stalls on a loss still is, at once. Without a model (COLD, a
+        pinned split) the siblings alone tell."""
+        rs = self.balancer.rs
+        if self.balancer.mode != "nezha" or rs.state != "hot" or rs.used_b is None:
+            return True
+        b = rs.used_b[rail]
+        if not (b > 0 and math.isfinite(b)):
+            return True
+        expected = rs.used_a[rail] + msg.share.get(rail, 0) * b
+        return now - msg.t0.get(rail, msg.t_queued) > HEDGE_OVERDUE * expected
 
     def _hedge_target(self, msg):
         """The finished, idle rail to ``msg.dst`` with the lowest agreed cost per byte.
