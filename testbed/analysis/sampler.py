@@ -1,8 +1,9 @@
 """Measurement independent of Nezha: kernel counters of every link, sampled on one monotonic clock
 (the logs the ranks wrote are merged with them in ``timeline.py``).
 
-* ``Sampler`` reads the counters of every host end of every link: ONE netlink RTM_GETLINK dump
-  per host namespace per tick (every 10 ms by default), each stamped with ``time.monotonic()``
+* ``Sampler`` reads the counters of every host end of every link: ONE netlink dump (counters
+  only, RTM_GETSTATS; link state from notifications, kernel/linkstats.py) per host namespace per
+  tick (every 10 ms by default), each stamped with ``time.monotonic()``
   (the midpoint of request and reply). CLOCK_MONOTONIC is shared by all namespaces of one
   machine, so these times line up with the fault records and the ranks' event logs.
 * ``Samples`` holds the result as columnar numpy arrays per link; ``Samples.rates`` turns the
