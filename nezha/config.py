@@ -35,7 +35,7 @@ NEZHA_STAGING_LIMIT         int      1073741824      bytes staged before their r
 NEZHA_PIPE_BLOCK            int      2097152         ring pipeline block bytes (2 MiB)
 NEZHA_WATCHDOG_MS           float    60              least stall before the watchdog checks a rail
 NEZHA_CHECK_TIMEOUT_MS      float    100             wait for the peer's "bytes arrive?" answer
-NEZHA_HEARTBEAT_MS          float    100             idle time after which a HEARTBEAT is sent
+NEZHA_HEARTBEAT_MS          float    250             idle time after which a HEARTBEAT is sent
 NEZHA_HEARTBEAT_TIMEOUT_MS  float    1500            silence after which a connection fails
 NEZHA_LINK_EVENTS           flag     1               0: no netlink link-event watcher
 NEZHA_DEBUG_SAMPLES         flag     off             any non-empty value: b_sample events
@@ -156,7 +156,7 @@ class Config:
     pipe_block: int = 2 << 20
     watchdog_ms: float = 60.0
     check_timeout_ms: float = 100.0
-    heartbeat_ms: float = 100.0
+    heartbeat_ms: float = 250.0
     heartbeat_timeout_ms: float = 1500.0
     link_events: bool = True
     debug_samples: bool = False

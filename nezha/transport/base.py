@@ -175,6 +175,7 @@ class Connection:
         self.last_tx = self.last_rx
         self.rx_bytes = 0
         self.rx_all = 0           # every byte read from the socket (headers included)
+        self.rx_seen = -1         # rx_all when the health thread last looked (health.py)
         self.t_hdr = 0.0
         self.arr_hdr = 0          # arrived() when the current DATA header was read...
         self.arr_end = 0          # ...and when its payload was
