@@ -1,0 +1,45 @@
+"""aggregation_rejoin_ms: how long an aggregation rail's switch, back after a fault, waits
+before Nezha gives it its share of the allreduce again.
+
+Per fault that ended on an aggregation rail (a ``kill`` of the rail's switch with ``for``,
+or a link-down / blackhole / flap of the rail or one of its links): from the fault's end
+(``t_end``: for a kill, when the restarted switch answered PING) to the first ``agg_back``
+event of any rank after it (every rank takes the switch back at the same operation). The
+worst fault counts; a fault after which the switch never came back is a note, not a value.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+from testbed.model.records import RAIL_REMOVING, FaultRecord, is_num
+
+
+def _aggregation_rails(topo) -> set[str]:
+    return {r.name for r in topo.rails if getattr(r, "protocol", "tcp") == "aggregation"}
+
+
+def _fault_rail(f: FaultRecord) -> Optional[str]:
+    if f.target_kind == "rail":
+        return str(f.target)
+    if f.target_kind == "link":
+        return str(f.target).partition(".")[2]
+    return None
+
+
+def rejoin_ms(topo, faults: Sequence[FaultRecord],
+              events: Sequence[dict]) -> tuple[Optional[float], str]:
+    """(worst rejoin in ms, note). None with a note when nothing could be measured."""
+    agg = _aggregation_rails(topo)
+    ended = [f for f in faults if _fault_rail(f) in agg and is_num(f.t_end)
+             and (f.action == "kill" or f.action in RAIL_REMOVING)]
+    if not ended:
+        return None, "no fault on an aggregation rail ended"
+    backs = sorted(e["t"] for e in events if e.get("event") == "agg_back" and is_num(e.get("t")))
+    worst: Optional[float] = None
+    for f in ended:
+        after = [t for t in backs if t >= f.t_end]
+        if not after:
+            return None, f"fault {f.index} ({f.label}): the switch never rejoined"
+        ms = (after[0] - f.t_end) * 1000.0
+        worst = ms if worst is None else max(worst, ms)
+    return worst, ""
