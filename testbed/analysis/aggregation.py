@@ -2,10 +2,12 @@
 before Nezha gives it its share of the allreduce again.
 
 Per fault that ended on an aggregation rail (a ``kill`` of the rail's switch with ``for``,
-or a link-down / blackhole / flap of the rail or one of its links): from the fault's end
-(``t_end``: for a kill, when the restarted switch answered PING) to the first ``agg_back``
-event of any rank after it (every rank takes the switch back at the same operation). The
-worst fault counts; a fault after which the switch never came back is a note, not a value.
+or a link-down / blackhole / flap of the rail or one of its links): from the moment the
+switch is back and Nezha knows it was gone (the later of the fault's end, ``t_end``: for a
+kill, when the restarted switch answered PING, and the first ``agg_down`` after the fault
+began: a fault shorter than the detection ends before it) to the first ``agg_back`` event of
+any rank after that (every rank takes the switch back at the same operation). The worst
+fault counts; a fault after which the switch never came back is a note, not a value.
 """
 from __future__ import annotations
 
@@ -34,12 +36,17 @@ def rejoin_ms(topo, faults: Sequence[FaultRecord],
              and (f.action == "kill" or f.action in RAIL_REMOVING)]
     if not ended:
         return None, "no fault on an aggregation rail ended"
-    backs = sorted(e["t"] for e in events if e.get("event") == "agg_back" and is_num(e.get("t")))
+    def times(name: str) -> list[float]:
+        return sorted(e["t"] for e in events if e.get("event") == name and is_num(e.get("t")))
+    backs, downs = times("agg_back"), times("agg_down")
     worst: Optional[float] = None
     for f in ended:
-        after = [t for t in backs if t >= f.t_end]
+        start = f.t_issued if is_num(f.t_issued) else f.t_applied
+        known = [t for t in downs if is_num(start) and t >= start]
+        since = max(f.t_end, known[0]) if known else f.t_end
+        after = [t for t in backs if t >= since]
         if not after:
             return None, f"fault {f.index} ({f.label}): the switch never rejoined"
-        ms = (after[0] - f.t_end) * 1000.0
+        ms = (after[0] - since) * 1000.0
         worst = ms if worst is None else max(worst, ms)
     return worst, ""
