@@ -34,17 +34,20 @@ import numpy as np
 
 from . import aggwire, collectives, wire
 from .errors import AggregatorError, ConfigError
-from .protocols import (AGG_BYTES, AGG_RTT, AGG_S, HYBRID_MIN, HYBRID_OPS, OK, REACHABLE,
+from .protocols import (AGG_BYTES, AGG_RTT, AGG_S, HOT, HYBRID_MIN, HYBRID_OPS, OK, REACHABLE,
                         RING_BYTES, RING_S, ROW_COLUMNS, HybridState)
 from .transport.aggregation import AggregationChannel
 
-PROBE_S = 0.2              # between two probes of a switch that is down
-PROBE_TIMEOUT = 0.5        # for one PING / handshake of a probe
+PROBE_S = 0.1              # between two probes of a switch that is down: the rail is idle
+PROBE_TIMEOUT = 0.3        # for one PING (twice that for the handshake); a SYN lost in a
+                           # black hole costs this, and the rejoin waits for the operation in
+                           # flight (a whole 16 MiB one rides the TCP rail: 1.4 s on 150 Mbit/s)
 HALF_MIN_TIMEOUT = 1.0     # the aggregation half's deadline: at least this...
 HALF_SLACK = 3.0           # ...and this many times its predicted time (HOT): a switch that
                            # vanished without a FIN (one rank in four, once) or a black-holed
                            # rail costs this much before the range moves to the ring
-COLD_TIMEOUT = 10.0        # ...or this (COLD), never more than the context's timeout
+COLD_TIMEOUT = 10.0        # ...or this (COLD; but at most 1 s or twice the ring half's time
+                           # after the ring half ended), never more than the context's timeout
 AGG_CHUNK = 1 << 20        # bytes per switch key: 256 KiB measured the same (16 MiB, 4 hosts,
 AGG_WINDOW = 8 << 20       # 150 Mbit/s: 291 vs 287 Mbit/s busbw); in flight per switch
 CLOSE_WAIT = 5.0           # for a half to end once its channel was closed under it
@@ -182,7 +185,9 @@ class HybridAllreduce:
             t0 = time.monotonic()
             if x < len(arr):
                 collectives.ring_allreduce(call, arr[x:], op)
-            ring_s = time.monotonic() - t0
+                ring_s = time.monotonic() - t0
+                if self.state.d.state != HOT:      # no prediction yet: the ring's time is one
+                    deadline = min(deadline, t0 + ring_s + max(HALF_MIN_TIMEOUT, 2 * ring_s))
             halves.extend(self._finish(futs, deadline))
         run_op((len(arr) - x) * arr.itemsize, both)
         mine = self._row(x * arr.itemsize, halves, (len(arr) - x) * arr.itemsize, ring_s)

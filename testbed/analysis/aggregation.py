@@ -28,6 +28,12 @@ def _fault_rail(f: FaultRecord) -> Optional[str]:
     return None
 
 
+def _start(f: FaultRecord) -> float:
+    """When the fault began (its first change issued, else applied)."""
+    t = f.t_issued if is_num(f.t_issued) else f.t_applied
+    return float(t) if is_num(t) else float("-inf")
+
+
 def rejoin_ms(topo, faults: Sequence[FaultRecord],
               events: Sequence[dict]) -> tuple[Optional[float], str]:
     """(worst rejoin in ms, note). None with a note when nothing could be measured."""
@@ -40,9 +46,11 @@ def rejoin_ms(topo, faults: Sequence[FaultRecord],
         return sorted(e["t"] for e in events if e.get("event") == name and is_num(e.get("t")))
     backs, downs = times("agg_back"), times("agg_down")
     worst: Optional[float] = None
+    starts = sorted(_start(f) for f in ended)
     for f in ended:
-        start = f.t_issued if is_num(f.t_issued) else f.t_applied
-        known = [t for t in downs if is_num(start) and t >= start]
+        start = _start(f)
+        until = min((t for t in starts if t > start), default=float("inf"))
+        known = [t for t in downs if start <= t < until]   # not the next fault's down
         since = max(f.t_end, known[0]) if known else f.t_end
         after = [t for t in backs if t >= since]
         if not after:
