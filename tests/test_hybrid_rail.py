@@ -60,3 +60,24 @@ def test_the_aggregator_fails_and_rejoins_with_exact_results(tmp_path, no_leftov
     # each time, the failed range was recomputed on the ring (a kill mid-operation at least)
     downs = [e for e in events if e["event"] == "agg_down"]
     assert any(e["recomputed_bytes"] > 0 for e in downs), downs
+
+
+def _fault(index, action, at, end, target="r1"):
+    from testbed.model.records import FaultRecord
+    return FaultRecord(index=index, action=action, target=target, target_kind="rail",
+                       label=f"{action} {target}", at=at, duration=1.0, rails=[target],
+                       links=[], t_issued=at, t_applied=at, t_end=end)
+
+
+def test_rejoin_counts_from_the_later_of_the_return_and_the_agreed_down():
+    from testbed.analysis.aggregation import rejoin_ms
+    topo = spec.loads(RAILS)
+    kill, hole = _fault(0, "kill", 10.0, 13.0), _fault(1, "blackhole", 20.0, 22.0)
+    events = [{"t": 10.1, "event": "agg_down"}, {"t": 13.5, "event": "agg_back"},
+              {"t": 23.0, "event": "agg_down"},          # seen after the hole had closed
+              {"t": 24.2, "event": "agg_back"}]
+    value, note = rejoin_ms(topo, [kill, hole], events)
+    assert value == pytest.approx(1200.0) and note == ""
+    value, note = rejoin_ms(topo, [kill], events[:1])
+    assert value is None and "never rejoined" in note
+    assert rejoin_ms(topo, [_fault(0, "kill", 1.0, 2.0, target="r0")], events)[0] is None
