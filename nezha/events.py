@@ -30,6 +30,13 @@ Event names and their fields (``rail`` is the rail index, ``peer`` a rank):
                                                          ours, no proof of the secret, too many)
   store_refused   peer "addr:port", reason               (the store refused a connection or request)
   unauthenticated message                                (no job secret: said once per Context)
+  hybrid_split    rail (aggregation rail name), shares {tcp, aggregation} (of a 16 MiB
+                  allreduce), state, up, b_ring, b_agg [s/byte], a_agg [s]  (hybrid.py: the
+                                                         agreed split across protocols)
+  agg_failed      rail, op, error                        (this rank's aggregation half failed)
+  agg_down        rail, reason, failed [ranks], unreachable [ranks], recomputed_bytes
+                                                         (agreed: no aggregation share until back)
+  agg_back        rail, down_ms                          (agreed: every rank reaches the switch)
   error           error (class), message                 (the communicator failed)
   call / op_start / op_end   kind, bytes, [op]           (only with log_ops / NEZHA_LOG_OPS=1)
   b_sample        rail, bytes, seconds, op               (an operation's cost sample on a rail,

@@ -26,7 +26,8 @@ nccl-tests' -w does: a fresh process's first operation pays for TCP slow start a
 cold start.
 
 and a last line ``{"summary": true, "iterations", "ok", "failed_iterations", "mismatches",
-"mean_s", "algbw_Bps", "busbw_Bps", "rail_bytes", "shares", "state", "exit_code"}``.
+"mean_s", "algbw_Bps", "busbw_Bps", "rail_bytes", "shares", "state", "exit_code"}``
+(and ``"hybrid"``: the split across protocols, with aggregation switches).
 In duration mode every rank runs the same number of iterations: after each iteration the
 ranks allreduce (max) a stop flag, so they stop together. With both --iterations and
 --duration, a rank stops after at least that many iterations and at least that long (small
@@ -224,6 +225,13 @@ def _should_stop(ctx, a, tally: Tally) -> bool:
     return bool(stop[0])
 
 
+def _hybrid_summary(stats: dict) -> dict:
+    """With aggregation switches: the split across protocols and what went where."""
+    h = stats.get("hybrid")
+    return {"hybrid": {k: h[k] for k in ("shares", "state", "up", "agg_bytes",
+                                         "recomputed_bytes")}} if h else {}
+
+
 def _summary(ctx, a, size: int, tally: Tally, stats: dict, emit) -> int:
     n = ctx.world_size
     mean = float(np.mean(tally.times)) if tally.times else 0.0
@@ -237,7 +245,8 @@ def _summary(ctx, a, size: int, tally: Tally, stats: dict, emit) -> int:
           "mismatches": tally.mismatches, "mean_s": mean, "algbw_Bps": algbw,
           "busbw_Bps": algbw * 2 * (n - 1) / n if n > 1 else algbw, "rail_bytes": rb,
           "shares": stats.get("shares"), "state": stats.get("state"), "rank": ctx.rank,
-          "system": a.system, "bytes": size, "exit_code": code})
+          "system": a.system, "bytes": size, "exit_code": code,
+          **_hybrid_summary(stats)})
     if bad:
         print(f"nezha.worker: rank {ctx.rank}: WRONG RESULTS in iterations {bad[:10]} "
               f"({tally.mismatches} elements)", file=sys.stderr)

@@ -26,6 +26,7 @@ from typing import Any, Iterable, Mapping, Optional, Sequence, Union
 import numpy as np
 
 from testbed.analysis.adaptation import adaptation
+from testbed.analysis.aggregation import rejoin_ms
 from testbed.analysis.competing import competing_bps, flows_detail, workload_bps
 from testbed.analysis.failover import SETTLE_S, shares
 from testbed.analysis.faults import FaultTallies, analyse_faults
@@ -269,6 +270,17 @@ def _busbw_vs_rail_sum(run: _Run, m: Metrics) -> None:
         m.notes["busbw_vs_rail_sum"] = m.notes["busbw_mbps"]
 
 
+def _busbw_vs_mptcp(run: _Run, m: Metrics, bw: dict) -> None:
+    """busbw_vs_mptcp: the main system over system "mptcp" at the largest size both ran."""
+    main = run.main
+    common = sorted(set(bw.get("mptcp", {})) & set(bw.get(main, {}))) if main != "mptcp" else []
+    if common:
+        m.values["busbw_vs_mptcp"] = (bw[main][common[-1]]["median_mbps"]
+                                      / bw["mptcp"][common[-1]]["median_mbps"])
+    else:
+        m.notes["busbw_vs_mptcp"] = "no mptcp run to compare with"
+
+
 def _rank_errors(run: _Run, m: Metrics) -> None:
     """rank_errors: what the runner reported (a count, or a collection whose size is taken)."""
     rank_err = run.extra.get("rank_errors")
@@ -447,6 +459,7 @@ def compute(topo, scenario, samples: Optional[Samples],
     _busbw(run, m, bw)
     _busbw_vs_single_rail(run, m, bw)
     _busbw_vs_rail_sum(run, m)
+    _busbw_vs_mptcp(run, m, bw)
     _rank_errors(run, m)
     windows = _windows(iterations, extra.get("phases") or (), run.main,
                        samples.span if samples else (math.nan, math.nan))
@@ -473,5 +486,9 @@ def _timeline_metrics(run: _Run, m: Metrics, samples: Optional[Samples], events:
     _fault_metrics(m, analyse_faults(faults, events, run.rails, run.table, run.t0, rates,
                                      windows, run.floor_bps))
     _adaptation(run, m, events, faults, flows, windows)
+    value, note = rejoin_ms(run.topo, faults, events)
+    m.values["aggregation_rejoin_ms"] = value
+    if note:
+        m.notes["aggregation_rejoin_ms"] = note
     if flows:
         m.detail["flows"] = flows_detail(flows, run.t0)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import ipaddress
 import logging
 import secrets
+import signal
 import subprocess
 import time
 from dataclasses import dataclass, field, replace
@@ -334,7 +335,7 @@ class Fabric:
             address = rail.switch_address
             if address is None:
                 continue
-            aggregation, port = _aggregation(), self.aggregation_port
+            port = self.aggregation_port
             checkpoint()
             ns = self.rails[rail.name].ns
             ipr = self._ipr[ns]
@@ -342,13 +343,47 @@ class Fabric:
             self.state.record_object(kind="aggregator", ns=ns, rail=rail.name,
                                      address=str(address.ip), port=port)
             self.state.save()
-            agg = aggregation.start(rail.name, ns, str(address.ip), port,
-                                    self.job_secret, rail.aggregation_rate_bps)
-            self.aggregators[rail.name] = agg
-            self.state.objects[-1]["pid"] = agg.proc.pid      # nsenter execs: the service
-            self.state.save()
-            aggregation.wait_ready(agg)
-            self.progress(f"aggregation switch of {rail.name} on {agg.endpoint}")
+            self._launch_aggregator(rail)
+            self.progress(f"aggregation switch of {rail.name} on "
+                          f"{self.aggregators[rail.name].endpoint}")
+
+    def _launch_aggregator(self, rail) -> float:
+        """Start ``rail``'s service (its run-state record already exists) and wait until it
+        answers; returns when it did."""
+        aggregation = _aggregation()
+        ns = self.rails[rail.name].ns
+        agg = aggregation.start(rail.name, ns, str(rail.switch_address.ip),
+                                self.aggregation_port, self.job_secret,
+                                rail.aggregation_rate_bps)
+        self.aggregators[rail.name] = agg
+        for obj in self.state.objects:                    # nsenter execs: the service
+            if obj.get("kind") == "aggregator" and obj.get("rail") == rail.name:
+                obj["pid"] = agg.proc.pid
+        self.state.save()
+        aggregation.wait_ready(agg)
+        return time.monotonic()
+
+    def kill_aggregator(self, rail: str, signal_name: str = "KILL") -> None:
+        """Fault ``kill`` on an aggregation rail: signal its switch's service (KILL, TERM,
+        INT end it; STOP freezes it: connections stay up, nothing answers)."""
+        agg = self.aggregators.get(rail)
+        if agg is None:
+            raise FabricError(f"rail {rail} has no aggregation switch running")
+        if agg.proc.poll() is None:
+            agg.proc.send_signal(getattr(signal, f"SIG{signal_name}"))
+        if signal_name != "STOP":
+            agg.proc.wait(5.0)
+
+    def restore_aggregator(self, rail: str) -> float:
+        """The end of a rail kill: a stopped switch continues, a dead one starts again (same
+        address, port and secret); returns when it answers PING."""
+        agg = self.aggregators[rail]
+        if agg.proc.poll() is None:
+            agg.proc.send_signal(signal.SIGCONT)
+            return time.monotonic()
+        agg.log.close()
+        spec = next(r for r in self.topo.rails if r.name == rail)
+        return self._launch_aggregator(spec)
 
     def aggregator_health(self) -> dict[str, dict]:
         """Every aggregation rail's switch, read back now (a PING from inside its namespace):

@@ -31,7 +31,7 @@ FAULT_ACTIONS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "delay":     (("link", "rail", "host"), ("value", "jitter", "for")),
     "blackhole": (("link", "rail", "host"), ("for",)),
     "flap":      (("link", "rail", "host"), ("period", "for", "end")),
-    "kill":      (("host",), ("signal",)),
+    "kill":      (("host", "rail"), ("signal", "for")),   # rail: its aggregation switch
     "traffic":   (("rail",), ("value", "for", "between", "proto")),
 }
 
@@ -46,6 +46,9 @@ METRICS: dict[str, str] = {
     "busbw_mbps": "median bus bandwidth of the workload, Mbit/s",
     "busbw_vs_single_rail": "Nezha bus bandwidth / single-rail bus bandwidth (compare)",
     "busbw_vs_rail_sum": "bus bandwidth / sum of the rails' nominal rates",
+    "aggregation_rejoin_ms": "ms from an aggregation rail's return (a kill's restart, a link's "
+                             "return) until Nezha gives its switch a share again (worst fault)",
+    "busbw_vs_mptcp": "Nezha bus bandwidth / MPTCP's at the largest size both ran (compare)",
     "rank_errors": "ranks that exited with an error",
     "adaptation_ms": "ms from a rail's change (rate, traffic, return) until Nezha's split is "
                      "within 10 % of the new optimum split (worst change)",
@@ -331,8 +334,23 @@ def parse_faults(raw: Any, topo) -> tuple[Fault, ...]:
         if action == "kill":
             sig = item.get("signal", "KILL")
             kw["signal"] = _choice(sig, ("KILL", "TERM", "INT", "STOP"), f"{f}.signal")
+            _kill_target(item, topo, kind, f)
         faults.append(Fault(**kw))
     return tuple(sorted(faults, key=lambda x: (x.at, x.index)))
+
+
+def _kill_target(item: dict, topo, kind: str, f: str) -> None:
+    """A rail kill stops the rail's aggregation switch (``for``: it is started again, or
+    continued after STOP); a host kill signals the rank, which never comes back."""
+    if kind == "rail":
+        rail = next(r for r in topo.rails if r.name == item["target"])
+        if getattr(rail, "protocol", "tcp") != "aggregation":
+            raise SpecError(f"{f}.target", f"rail {rail.name} has no aggregation switch to kill",
+                            "a host (its rank), or a rail with protocol: aggregation")
+    elif "for" in item:
+        raise SpecError(f"{f}.for", "a killed rank does not come back",
+                        "no for on a host kill (for: only on a rail kill, which restarts the "
+                        "rail's aggregation switch)")
 
 
 def _traffic(item: dict, topo, f: str) -> dict[str, Any]:

@@ -211,11 +211,12 @@ class FaultInjector:
         for r in self.records:
             if r.index == fault.index:
                 return r
-        links = self.links_of(fault) if fault.target_kind != "host" or fault.action != "kill" \
-            else []
+        links = self.links_of(fault) if fault.action != "kill" else []
+        rails = sorted({l.rail for l in links}) if fault.action != "kill" or \
+            fault.target_kind != "rail" else [fault.target]
         rec = FaultRecord(index=fault.index, action=fault.action, target=fault.target,
                           target_kind=fault.target_kind, label=fault.label, at=fault.at,
-                          duration=fault.duration, rails=sorted({l.rail for l in links}),
+                          duration=fault.duration, rails=rails,
                           links=[l.name for l in links])
         self.records.append(rec)
         return rec
@@ -262,6 +263,11 @@ class FaultInjector:
             if self.traffic is None:
                 raise RuntimeError("no traffic launcher for competing flows")
             t = time.monotonic()      # the senders start at this moment on their own
+        elif f.action == "kill" and f.target_kind == "rail":
+            self.fabric.kill_aggregator(f.target, f.signal)    # its switch; ``for``: back
+            t = time.monotonic()
+            if f.duration is None:
+                self._active.pop(key, None)
         elif f.action == "kill":
             if self.kill is None:
                 raise RuntimeError("no workload process to kill")
@@ -291,6 +297,8 @@ class FaultInjector:
         self._active.pop(f.index)
         if f.action in ("link-down", "flap"):
             t = max(layer.release(f.index) for layer in links)
+        elif f.action == "kill":
+            t = self.fabric.restore_aggregator(f.target)     # answers PING again
         elif f.action in SHAPING:
             t = max(layer.pop_shape(f.index) for layer in links)
         return t

@@ -123,7 +123,8 @@ class WorkloadRunner:
     def env_for(self, host: str, rank: int, port: int, phase: Phase, events: Path,
                 results: Path) -> dict:
         topo = self.fabric.topo
-        master = topo.address(self.hosts[0], topo.rails[0].name)
+        rails = self.rails_for(phase)
+        master = topo.address(self.hosts[0], rails[0].name)
         env = dict(os.environ)
         # NEZHA_SYSTEM is what Context.from_env() builds: a command phase is named "command",
         # but the user's program gets the file's `system:` (nezha unless given)
@@ -138,8 +139,8 @@ class WorkloadRunner:
         env.update({
             "NEZHA_RANK": str(rank), "NEZHA_WORLD_SIZE": str(len(self.hosts)),
             "NEZHA_MASTER_ADDR": master, "NEZHA_MASTER_PORT": str(port),
-            "NEZHA_RAILS": ",".join(topo.address(host, r.name) for r in topo.rails),
-            "NEZHA_RAIL_NAMES": ",".join(r.name for r in topo.rails),
+            "NEZHA_RAILS": ",".join(topo.address(host, r.name) for r in rails),
+            "NEZHA_RAIL_NAMES": ",".join(r.name for r in rails),
             "NEZHA_EVENT_LOG": str(events), "NEZHA_RESULTS": str(results),
             "NEZHA_SYSTEM": system, "TESTBED_HOST": host,
             "NEZHA_JOB_SECRET": self.secret,
@@ -154,6 +155,18 @@ class WorkloadRunner:
         if aggregators:
             env["NEZHA_AGGREGATORS"] = aggregators
         return env
+
+    def rails_for(self, phase: Phase) -> list:
+        """The rails a rank drives as TCP rails: MPTCP takes every rail as a subflow path
+        (an aggregation rail is an IP network too: "MPTCP over both rails"); every other
+        system only the TCP ones, since nezha reaches an aggregation rail's switch through
+        NEZHA_AGGREGATORS as the other protocol it is, not as one more TCP rail."""
+        rails = list(self.fabric.topo.rails)
+        if phase.system == "mptcp" or (phase.system == "command" and
+                                       self.workload.system == "mptcp"):
+            return rails
+        tcp = [r for r in rails if getattr(r, "protocol", "tcp") == "tcp"]
+        return tcp or rails
 
     def torchrun_env(self, rank: int, port: int) -> dict[str, str]:
         """What torchrun would set for one process per host, so that a training script's
