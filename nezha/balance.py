@@ -189,7 +189,7 @@ class RailEstimator:
         self.a_window.append(seconds)
         # the minimum: a sample can only be inflated (an ACK queued behind bulk data going
         # the other way, a busy CPU), never deflated
-        self.a = float(min(self.a_window))
+        self.a = float(min(tuple(self.a_window)))
         self.a_samples += 1
 
     def record_b(self, nbytes: int, seconds: float):
@@ -198,6 +198,14 @@ class RailEstimator:
         copies did) costs time all the same."""
         if nbytes >= 0 and seconds > 0 and nbytes + seconds > 0:
             self.b_window.append((nbytes, seconds))
+
+    def _samples(self) -> tuple:
+        """The window as it is now: one C-level copy, so that a sample the engine records
+        meanwhile cannot change it under an iteration. The health thread reads ``b`` without
+        the engine's lock (its watchdog's limit); iterating the deque itself once raised
+        "deque mutated during iteration" there, which ended that rank's health thread and
+        its heartbeats, and its peers then took its rails for dead, 1464 times in one run."""
+        return tuple(self.b_window)
 
     @staticmethod
     def _per_byte(samples) -> float:
@@ -209,21 +217,23 @@ class RailEstimator:
     def b(self) -> float:
         """Seconds per byte: total busy time / total bytes over the window; nan until the
         window holds MIN_SAMPLES samples spanning MIN_BUSY_S."""
-        if len(self.b_window) < MIN_SAMPLES:
+        window = self._samples()
+        if len(window) < MIN_SAMPLES:
             return float("nan")
-        if sum(s for _, s in self.b_window) < MIN_BUSY_S:
+        if sum(s for _, s in window) < MIN_BUSY_S:
             return float("nan")
-        return self._per_byte(self.b_window)
+        return self._per_byte(window)
 
     @property
     def last(self) -> float:
         """Seconds per byte of the last operation alone (nan if none since the last reset)."""
-        if not self.b_window:
+        window = self._samples()
+        if not window:
             return float("nan")
-        return self._per_byte([self.b_window[-1]])
+        return self._per_byte(window[-1:])
 
     def _costs(self) -> list:
-        return [self._per_byte([x]) for x in self.b_window]
+        return [self._per_byte([x]) for x in self._samples()]
 
     @property
     def rise(self) -> float:

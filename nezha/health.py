@@ -124,11 +124,13 @@ class Health:
         self.stop = threading.Event()
         self.backoff: dict = {}
         self.next_probe: dict = {}
-        self.thread = threading.Thread(target=self.run, daemon=True, name="nz-health")
+        self.thread = threading.Thread(target=self._guarded, args=(self.run,), daemon=True,
+                                       name="nz-health")
         # probes connect (and may wait on a dead path): never in the heartbeat thread
-        self.probe_thread = threading.Thread(target=self.probe_loop, daemon=True, name="nz-probe")
-        self.liveness_thread = threading.Thread(target=self.liveness_loop, daemon=True,
-                                                name="nz-liveness")
+        self.probe_thread = threading.Thread(target=self._guarded, args=(self.probe_loop,),
+                                             daemon=True, name="nz-probe")
+        self.liveness_thread = threading.Thread(target=self._guarded, args=(self.liveness_loop,),
+                                                daemon=True, name="nz-liveness")
         self.link_thread = None
         self._check_seq = 0
         self.eng.on_arrivals = self.on_arrivals
@@ -156,6 +158,15 @@ class Health:
         est = bal.est[rail]
         b = est.b if est.b == est.b else 1.0 / WATCHDOG_NOMINAL_BPS
         return max(self.watchdog_min, WATCHDOG_FACTOR * (est.a + (64 << 10) * b))
+
+    def _guarded(self, loop: Callable[[], None]) -> None:
+        """Run one of the health loops; an exception it did not expect is a bug, and the job
+        fails with it: a rank whose health thread ended in silence sent no more heartbeats,
+        and its peers took every rail to it for dead over and over (1464 times in one run)."""
+        try:
+            loop()
+        except Exception as e:
+            self.eng.fatal(e)
 
     def run(self):
         eng = self.eng

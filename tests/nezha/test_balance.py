@@ -428,3 +428,32 @@ def test_a_rail_on_a_tiny_share_has_no_worth_to_jump_back_to():
     assert bal.rs.used_b[3] == pytest.approx(8e-7)
     one_op(bal, [[1e-8, 1e-8, 1e-8, 1e-7]] * 3, counts=6, fall=(1.0, 1.0, 1.0, 0.1))
     assert bal.rs.used_b[3] == pytest.approx(8e-7)              # no jump back
+
+
+def test_estimates_can_be_read_while_samples_arrive():
+    """The health thread reads a rail's estimate (its watchdog's limit) without the engine's
+    lock while the engine records samples: the read must never trip over the window changing
+    under it (a RuntimeError there once ended a rank's health thread, and its heartbeats)."""
+    import sys
+    import threading
+    est = balance.RailEstimator()
+    stop = threading.Event()
+
+    def feed():
+        n = 0
+        while not stop.is_set():
+            n += 1
+            est.record_b(1000 + n % 7, 0.001 + (n % 5) * 1e-4)
+            est.record_a(1e-4 + (n % 3) * 1e-5)
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)       # switch threads as often as the interpreter can
+    t = threading.Thread(target=feed)
+    t.start()
+    try:
+        for _ in range(20000):
+            est.b, est.last, est.rise, est.fall, est.a
+    finally:
+        stop.set()
+        t.join()
+        sys.setswitchinterval(interval)
