@@ -1,0 +1,160 @@
+"""The dissector and `testbed pcap` on aggregation frames (nezha/aggwire.py), offline.
+
+Every frame type built with aggwire's own builders dissects back to the same fields; malformed
+NZAG frames (and a few hundred random mutations of valid ones) are recorded as malformed, never
+raise and never make the reassembler hold more than a header and a segment.
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+from scapy.layers.inet import IP, TCP
+from scapy.layers.l2 import Ether
+from scapy.packet import Raw
+
+from nezha import aggwire, wire
+from testbed.pcap.dissect import Reassembler, Segment, frame
+from testbed.pcap.nzag import NZAG, PORT
+
+MSS = 1400
+H1, H2, SW = "10.0.1.1", "10.0.1.2", "10.0.1.254"      # r1: two hosts and the switch
+R0 = {"h1": "10.0.0.1", "h2": "10.0.0.2"}
+
+
+def contrib(rank: int, op: int, chunk: int, n: int = 300, type_: int = aggwire.CONTRIB) -> bytes:
+    """A CONTRIB (or RESULT) of n float32 elements, as nezha/transport/aggregation.py builds it."""
+    return aggwire.header(type=type_, dtype=wire.DTYPE_CODES["float32"], redop=1, rank=rank,
+                          world=2, count=n, op_id=op, chunk=chunk, length=4 * n) + bytes(4 * n)
+
+
+def every_type() -> list[bytes]:
+    """One frame of each aggregation type, from aggwire's builders."""
+    return [aggwire.control(aggwire.HELLO, {"job": "j", "rank": 1, "world": 2, "nonce": "ab"}),
+            aggwire.control(aggwire.CHALLENGE, {"nonce": "cd", "proof": "ef"}),
+            aggwire.control(aggwire.PROOF, {"proof": "01"}),
+            aggwire.control(aggwire.WELCOME, {}),
+            contrib(1, 7, 3),
+            contrib(1, 7, 3, type_=aggwire.RESULT),
+            aggwire.error(aggwire.E_TIMEOUT, "key given up", rank=1, op_id=7, chunk=4),
+            aggwire.header(type=aggwire.PING),
+            aggwire.control(aggwire.PONG, {"version": 1, "keys": 0, "bytes": 0})]
+
+
+def feed_stream(stream: bytes, sport: int = 40000, dport: int = PORT, cuts=None):
+    """Feed one flow's bytes (SYN, then segments cut at ``cuts`` or every MSS) to a
+    Reassembler; (records, flow state)."""
+    flow = (H1, sport, SW, dport)
+    ra = Reassembler("r1")
+    out = ra.feed(Segment(0, flow, 999, 0x02, b"", 60))
+    cuts = sorted(set(cuts if cuts is not None else range(MSS, len(stream), MSS)))
+    for a, b in zip([0] + cuts, cuts + [len(stream)]):
+        out += ra.feed(Segment(1, flow, 1000 + a, 0x18, stream[a:b], b - a + 54))
+    return out, ra.flows[flow]
+
+
+# ------------------------------------------------------------------ the layer
+@pytest.mark.parametrize("raw", every_type(), ids=lambda r: aggwire.TYPE_NAMES[r[5]])
+def test_every_type_round_trips_through_the_layer(raw):
+    h = aggwire.unpack(raw[:aggwire.HEADER_SIZE])
+    p = NZAG(raw)
+    assert p.problem() is None and p.crc_ok()
+    assert {f: getattr(p, f) for f in h._fields} == h._asdict()
+    assert (p.magic, p.version, p.reserved) == (aggwire.MAGIC, aggwire.VERSION, 0)
+    assert bytes(p.payload) == raw[aggwire.HEADER_SIZE:] and bytes(p) == raw
+    payload = raw[aggwire.HEADER_SIZE:]     # the layer builds what aggwire builds
+    built = NZAG(**h._asdict()) / Raw(payload) if payload else NZAG(**h._asdict())
+    assert bytes(built) == raw
+    for ports in ({"dport": PORT}, {"sport": PORT}):    # bound to the port, both directions
+        pkt = Ether(bytes(Ether() / IP() / TCP(**ports) / Raw(raw)))
+        assert NZAG in pkt and pkt[NZAG].type == h.type, pkt.summary()
+    assert aggwire.TYPE_NAMES[h.type] in p.summary()
+
+
+def test_every_type_is_cut_from_a_stream():
+    frames = every_type()
+    stream = b"".join(frames)
+    recs, st = feed_stream(stream, cuts=random.Random(1).sample(range(1, len(stream)), 12))
+    assert [r.type_name for r in recs] == [aggwire.TYPE_NAMES[f[5]] for f in frames]
+    assert [r.group for r in recs] == ["handshake"] * 4 + ["CONTRIB", "RESULT", "ERROR"] + \
+        ["PING"] * 2
+    assert [r.size for r in recs] == [len(f) for f in frames]
+    assert [r.stream_offset for r in recs] == [stream.index(f) for f in frames]
+    assert all(r.protocol == "aggregation" and r.malformed is None for r in recs)
+    assert st.error is None and st.frames == len(frames) and st.bytes == len(stream)
+
+
+# ------------------------------------------------------------------ malformed frames
+def _rebuilt(raw: bytes, **changes) -> bytes:
+    """A header with some fields changed and its CRC recomputed (so only they are wrong)."""
+    p = NZAG(raw[:aggwire.HEADER_SIZE])
+    for k, v in changes.items():
+        setattr(p, k, v)
+    p.crc = None
+    return bytes(p)
+
+
+def _bad_frames() -> dict[str, bytes]:
+    good = contrib(0, 1, 0)
+    hdr = aggwire.Header(aggwire.CONTRIB, dtype=1, redop=1, rank=0, world=2, count=1 << 30,
+                         op_id=1, length=1 << 32 - 1)
+    return {
+        "bad magic": b"XXXX" + good[4:],
+        "unsupported aggregation wire version": _rebuilt(good, version=9),
+        "checksum": good[:44] + b"\0\0\0\0" + good[48:],
+        "at most": hdr.pack(),                                       # 2 GiB CONTRIB
+        "PONG payload": aggwire.Header(aggwire.PONG, length=1 << 31).pack(),
+        "unknown aggregation frame type": aggwire.Header(42).pack(),
+        "elements": aggwire.Header(aggwire.RESULT, dtype=1, redop=1, world=2, count=3,
+                                   length=8).pack(),
+    }
+
+
+@pytest.mark.parametrize("why,raw", list(_bad_frames().items()), ids=list(_bad_frames()))
+def test_malformed_frame_is_marked_not_raised(why, raw):
+    assert why in NZAG(raw).problem()
+    stream = contrib(0, 0, 0) + raw + contrib(0, 2, 0)
+    recs, st = feed_stream(stream)
+    assert [r.type_name for r in recs] == ["CONTRIB", "malformed"]
+    bad = recs[1]
+    assert bad.header is None and why in bad.malformed and bad.stream_offset == recs[0].size
+    assert st.malformed == 1 and why in st.error and len(st.buf) == 0 and st.skip == 0
+    assert st.bytes == len(stream)              # the rest is counted, not parsed
+
+
+def _mutate(rng: random.Random, frames: list[bytes]) -> bytes:
+    """A stream of valid frames with one random mutation."""
+    stream = bytearray(b"".join(frames))
+    at = rng.randrange(len(stream))
+    how = rng.randrange(5)
+    if how == 0:
+        stream[at] ^= 1 << rng.randrange(8)
+    elif how == 1:                              # a random length field, CRC recomputed
+        stream[:0] = _rebuilt(rng.choice(frames), length=rng.getrandbits(32))
+    elif how == 2:
+        del stream[at:at + rng.randrange(1, 64)]
+    elif how == 3:
+        stream[at:at] = rng.randbytes(rng.randrange(1, 64))
+    else:
+        stream[at:at + 8] = rng.randbytes(8)
+    return bytes(stream)
+
+
+def test_fuzzed_frames_are_marked_never_raised():
+    rng = random.Random(15)
+    frames = every_type()
+    marked = 0
+    for _ in range(300):
+        stream = _mutate(rng, frames)
+        cuts = rng.sample(range(1, len(stream)), min(len(stream) - 1, rng.randrange(1, 20)))
+        recs, st = feed_stream(stream, cuts=cuts)
+        assert len(st.buf) < aggwire.HEADER_SIZE and not st.pending
+        assert st.skip <= aggwire.MAX_CHUNK
+        for r in recs:
+            assert (r.header is None) == (r.malformed is not None)
+            if r.header is not None:
+                assert r.header.problem() is None
+        marked += st.malformed
+        assert st.malformed <= 1 and (st.malformed == 0 or st.error)
+        NZAG(stream).problem()                  # the bare layer on any bytes: no exception
+    assert marked > 100
