@@ -2,20 +2,26 @@
 
 Every frame type built with aggwire's own builders dissects back to the same fields; malformed
 NZAG frames (and a few hundred random mutations of valid ones) are recorded as malformed, never
-raise and never make the reassembler hold more than a header and a segment.
+raise and never make the reassembler hold more than a header and a segment; a synthetic capture
+of two rails (Nezha frames on r0, a switch's aggregation traffic on r1) gives the right bytes
+per protocol and per aggregation frame type.
 """
 from __future__ import annotations
 
+import json
 import random
+from pathlib import Path
 
 import pytest
 from scapy.layers.inet import IP, TCP
 from scapy.layers.l2 import Ether
 from scapy.packet import Raw
+from scapy.utils import wrpcap
 
 from nezha import aggwire, wire
 from testbed.pcap.dissect import Reassembler, Segment, frame
 from testbed.pcap.nzag import NZAG, PORT
+from testbed.pcap.report import analyse, format_report
 
 MSS = 1400
 H1, H2, SW = "10.0.1.1", "10.0.1.2", "10.0.1.254"      # r1: two hosts and the switch
@@ -158,3 +164,103 @@ def test_fuzzed_frames_are_marked_never_raised():
         assert st.malformed <= 1 and (st.malformed == 0 or st.error)
         NZAG(stream).problem()                  # the bare layer on any bytes: no exception
     assert marked > 100
+
+
+# ------------------------------------------------------------------ the report, synthetic pcap
+def _packets(src: str, sport: int, dst: str, dport: int, stream: bytes, t: float,
+             retransmit: int = -1) -> list:
+    """A TCP flow: SYN, then the stream in MSS segments (segment ``retransmit`` sent twice)."""
+    base = Ether() / IP(src=src, dst=dst)
+    out = [base / TCP(sport=sport, dport=dport, flags="S", seq=99)]
+    for i, a in enumerate(range(0, len(stream), MSS)):
+        seg = base / TCP(sport=sport, dport=dport, flags="PA", seq=100 + a) / \
+            Raw(stream[a:a + MSS])
+        out += [seg, seg] if i == retransmit else [seg]
+    for k, p in enumerate(out):
+        p.time = t + k * 1e-4
+    return out
+
+
+def _nezha_stream(src: int) -> bytes:
+    return b"".join(frame(bytes(2000), type=wire.DATA, kind=wire.K_ALLREDUCE, src=src, op_id=1,
+                          chunk=i, offset=i * 2000, msg_total=8000) for i in range(4))
+
+
+def _agg_streams(rank: int) -> tuple[bytes, bytes]:
+    """(rank -> switch, switch -> rank): handshake, 3 contributions, 2 results and an ERROR."""
+    up = aggwire.control(aggwire.HELLO, {"job": "j", "rank": rank, "world": 2, "nonce": "00"}) + \
+        aggwire.control(aggwire.PROOF, {"proof": "11"}) + \
+        b"".join(contrib(rank, 1, c) for c in range(3))
+    down = aggwire.control(aggwire.CHALLENGE, {"nonce": "22", "proof": "33"}) + \
+        aggwire.control(aggwire.WELCOME, {}) + \
+        b"".join(contrib(rank, 1, c, type_=aggwire.RESULT) for c in range(2)) + \
+        aggwire.error(aggwire.E_TIMEOUT, "gave up", rank=rank, op_id=1, chunk=2)
+    return up, down
+
+
+def _write_captures(d: Path) -> dict:
+    """h1/h2 captures of r0 (Nezha both ways, a rendezvous-like flow) and r1 (each host's
+    traffic with the switch, a PING from h1, a malformed flow from h2); the expected counts."""
+    d.mkdir()
+    r0 = _packets(R0["h1"], 41000, R0["h2"], 42000, _nezha_stream(0), 1.0, retransmit=2) + \
+        _packets(R0["h2"], 42000, R0["h1"], 41000, _nezha_stream(1), 1.0) + \
+        _packets(R0["h2"], 43000, R0["h1"], 29500, b'{"get": "rank0"}' * 10, 1.0)
+    r1 = {}
+    for h, addr, rank in (("h1", H1, 0), ("h2", H2, 1)):
+        up, down = _agg_streams(rank)
+        r1[h] = _packets(addr, 45000, SW, PORT, up, 2.0, retransmit=1) + \
+            _packets(SW, PORT, addr, 45000, down, 2.0)
+    ping, pong = aggwire.header(type=aggwire.PING), aggwire.control(aggwire.PONG, {"keys": 0})
+    r1["h1"] += _packets(H1, 46000, SW, PORT, ping, 3.0) + _packets(SW, PORT, H1, 46000, pong, 3.0)
+    r1["h2"] += _packets(H2, 47000, SW, PORT, b"GET / HTTP/1.1\r\n" * 4, 3.0)
+    for h in ("h1", "h2"):                          # r0: both hosts capture every r0 packet
+        wrpcap(str(d / f"{h}.r0.pcap"), r0)
+        wrpcap(str(d / f"{h}.r1.pcap"), r1[h])
+    (d / "capture.json").write_text(json.dumps({
+        "rails": ["r0", "r1"], "hosts": {"h1": {"r0": R0["h1"], "r1": H1},
+                                         "h2": {"r0": R0["h2"], "r1": H2}},
+        "files": [{"host": h, "rail": r, "file": f"{h}.{r}.pcap"}
+                  for h in ("h1", "h2") for r in ("r0", "r1")]}))
+    streams = {h: _agg_streams(rank) for h, rank in (("h1", 0), ("h2", 1))}
+    return {"r0_wire": sum(len(p) for p in r0),
+            "r1_wire": sum(len(p) for h in r1 for p in r1[h]),
+            "nezha_bytes": 2 * len(_nezha_stream(0)),
+            "agg_bytes": sum(len(u) + len(d) for u, d in streams.values()) + len(ping) + len(pong),
+            "contrib": 2 * 3 * len(contrib(0, 1, 0)), "result": 2 * 2 * len(contrib(0, 1, 0))}
+
+
+def test_report_gives_bytes_per_protocol(tmp_path):
+    exp = _write_captures(tmp_path / "captures")
+    rep = analyse(tmp_path)
+    text = format_report(rep)
+    print(text)
+    r0, r1 = rep["rails"]["r0"]["protocols"], rep["rails"]["r1"]["protocols"]
+    assert set(r0) == {"nezha", "other"} and set(r1) == {"aggregation"}
+    assert r0["nezha"]["frame_bytes"] == exp["nezha_bytes"] and r0["nezha"]["frames"] == 8
+    agg = r1["aggregation"]
+    assert agg["frame_bytes"] == exp["agg_bytes"] and agg["malformed"] == 1
+    assert agg["types"]["CONTRIB"] == {"frames": 6, "bytes": exp["contrib"]}
+    assert agg["types"]["RESULT"] == {"frames": 4, "bytes": exp["result"]}
+    assert agg["types"]["ERROR"]["frames"] == 2 and agg["types"]["handshake"]["frames"] == 8
+    assert agg["types"]["PING"]["frames"] == 2
+    assert sum(g["bytes"] for g in agg["types"].values()) == agg["frame_bytes"]
+    # every captured byte is counted once, under one protocol (r0 was captured twice)
+    assert rep["rails"]["r0"]["wire_bytes"] == exp["r0_wire"] == \
+        r0["nezha"]["wire_bytes"] + r0["other"]["wire_bytes"]
+    assert rep["rails"]["r1"]["wire_bytes"] == exp["r1_wire"] == agg["wire_bytes"]
+    assert rep["rails"]["r1"]["retrans_segments"] == 2
+    tot = rep["protocols"]
+    assert tot["nezha"]["frame_bytes"] == exp["nezha_bytes"]
+    assert tot["aggregation"]["types"]["CONTRIB"]["bytes"] == exp["contrib"]
+    # the TCP rail's existing figures are unchanged by the aggregation rail
+    assert rep["rails"]["r0"]["data_bytes"] == 16000 == rep["data_bytes"]
+    assert rep["rails"]["r0"]["chunks"] == 8 and rep["rails"]["r1"]["chunks"] == 0
+    assert rep["rails"]["r1"]["frames"] == 0
+    assert any("malformed aggregation frame at stream offset 0: bad magic" in u["error"]
+               for u in rep["rails"]["r1"]["unparsed_flows"])
+    lines = text.splitlines()
+    assert any(l.split()[:3] == ["r1", "aggregation", "CONTRIB"] and
+               l.split()[4] == str(exp["contrib"]) for l in lines)
+    assert any(l.split()[:3] == ["total", "nezha", "all"] and
+               l.split()[4] == str(exp["nezha_bytes"]) for l in lines)
+    json.dumps(rep)
