@@ -15,20 +15,18 @@ from __future__ import annotations
 
 from typing import Iterable, Optional
 
-from scapy.fields import (ByteEnumField, ByteField, IntField, LongField, ShortField,
-                          StrFixedLenField, XIntField)
 from scapy.packet import Packet, Raw
 
 from nezha import wire
 
 from testbed.pcap import stream
-from testbed.pcap.layer import FramedHeader
+from testbed.pcap.layer import FramedHeader, header_fields
 from testbed.pcap.nzag import AGGREGATION, PORT as AGGREGATION_PORT
 from testbed.pcap.segments import Flow, Segment, tcp_segments
 from testbed.pcap.stream import FlowState, Framer, FrameRecord, Malformed
 
-__all__ = ["Nezha", "frame", "Reassembler", "frames_in", "framer_for", "Flow", "Segment",
-           "tcp_segments", "FlowState", "FrameRecord", "NEZHA", "WITH_PAYLOAD"]
+__all__ = ["Flow", "FlowState", "FrameRecord", "NEZHA", "Nezha", "Reassembler", "Segment",
+           "WITH_PAYLOAD", "frame", "framer_for", "frames_in", "tcp_segments"]
 
 WITH_PAYLOAD = (wire.DATA, wire.HELLO, wire.AUTH, wire.ABORT, wire.CONTROL)
 
@@ -37,27 +35,11 @@ class Nezha(FramedHeader, Packet):
     """The Nezha frame header (nezha/wire.py); the payload (``length`` bytes) follows as Raw."""
 
     name = "Nezha"
-    LENGTH_AT = 40                          # see the layout in nezha/wire.py
-    HEADER_SIZE = wire.HEADER_SIZE
-    fields_desc = [
-        StrFixedLenField("magic", wire.MAGIC, len(wire.MAGIC)),
-        ByteField("version", wire.VERSION),
-        ByteEnumField("type", wire.DATA, wire.TYPE_NAMES),
-        ByteEnumField("kind", wire.K_NONE, wire.KIND_NAMES),
-        ByteEnumField("dtype", 0, wire.DTYPES),
-        ByteEnumField("redop", 0, wire.REDOPS),
-        ByteField("rail", 0),
-        ShortField("src", 0),
-        IntField("aux", 0),
-        LongField("op_id", 0),
-        IntField("step", 0),
-        IntField("chunk", 0),
-        LongField("offset", 0),
-        IntField("length", None),
-        LongField("msg_total", 0),
-        LongField("op_total", 0),
-        XIntField("crc", None),
-    ]
+    fields_desc = header_fields(
+        "4sBBBBBBHIQIIQIQQI", ("magic", "version", *wire.Header._fields, "crc"),
+        wire.MAGIC, wire.VERSION, defaults={"type": wire.DATA},
+        enums={"type": wire.TYPE_NAMES, "kind": wire.KIND_NAMES, "dtype": wire.DTYPES,
+               "redop": wire.REDOPS})
 
     def payload_length(self) -> int:
         return self.length if self.type in WITH_PAYLOAD else 0
@@ -67,7 +49,7 @@ class Nezha(FramedHeader, Packet):
                             "chunk=%chunk% off=%offset% len=%length%")
 
 
-assert sum(f.sz for f in Nezha.fields_desc) == wire.HEADER_SIZE, "Nezha layer != nezha.wire"
+assert Nezha.header_size() == wire.HEADER_SIZE, "Nezha layer != nezha.wire"
 
 
 def frame(payload: bytes = b"", **fields) -> bytes:

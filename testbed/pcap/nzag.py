@@ -14,15 +14,13 @@ from __future__ import annotations
 
 from typing import Optional
 
-from scapy.fields import (ByteEnumField, ByteField, IntEnumField, IntField, LongField,
-                          ShortField, StrFixedLenField, XIntField)
 from scapy.layers.inet import TCP
 from scapy.packet import Packet, bind_layers
 
 from nezha import aggwire, wire
 from nezha.errors import ProtocolError
 
-from testbed.pcap.layer import FramedHeader
+from testbed.pcap.layer import FramedHeader, header_fields
 from testbed.pcap.stream import Framer, Malformed
 
 PORT = aggwire.DEFAULT_PORT
@@ -34,24 +32,11 @@ class NZAG(FramedHeader, Packet):
     """The aggregation frame header; the payload (``length`` bytes) follows as Raw."""
 
     name = "NZAG"
-    LENGTH_AT = 28                      # see the layout in nezha/aggwire.py
-    HEADER_SIZE = aggwire.HEADER_SIZE
-    fields_desc = [
-        StrFixedLenField("magic", aggwire.MAGIC, len(aggwire.MAGIC)),
-        ByteField("version", aggwire.VERSION),
-        ByteEnumField("type", aggwire.CONTRIB, aggwire.TYPE_NAMES),
-        ByteEnumField("dtype", 0, wire.DTYPES),
-        ByteEnumField("redop", 0, aggwire.REDOPS),
-        ShortField("rank", 0),
-        ShortField("world", 0),
-        IntField("count", 0),
-        LongField("op_id", 0),
-        IntField("chunk", 0),
-        IntField("length", None),
-        IntEnumField("code", 0, aggwire.ERROR_NAMES),
-        LongField("reserved", 0),
-        XIntField("crc", None),
-    ]
+    fields_desc = header_fields(
+        "4sBBBBHHIQIIIQI", ("magic", "version", *aggwire.Header._fields, "reserved", "crc"),
+        aggwire.MAGIC, aggwire.VERSION, defaults={"type": aggwire.CONTRIB},
+        enums={"type": aggwire.TYPE_NAMES, "dtype": wire.DTYPES, "redop": aggwire.REDOPS,
+               "code": aggwire.ERROR_NAMES})
 
     def problem(self) -> Optional[str]:
         """Why this header is malformed (aggwire.unpack's reason), or None if it is valid."""
@@ -67,9 +52,7 @@ class NZAG(FramedHeader, Packet):
                             "count=%count% len=%length% code=%code%")
 
 
-assert sum(f.sz for f in NZAG.fields_desc) == aggwire.HEADER_SIZE, "NZAG layer != nezha.aggwire"
-assert NZAG.fields_desc[10].name == "length" and \
-    sum(f.sz for f in NZAG.fields_desc[:10]) == NZAG.LENGTH_AT
+assert NZAG.header_size() == aggwire.HEADER_SIZE, "NZAG layer != nezha.aggwire"
 bind_layers(TCP, NZAG, sport=PORT)
 bind_layers(TCP, NZAG, dport=PORT)
 
