@@ -184,6 +184,7 @@ def test_pcap_shows_aggregation_bytes_on_the_aggregation_rail(tmp_path, no_lefto
     carries only aggregation frames (contributions up, results down, a handshake per rank),
     r0 only Nezha frames and other TCP (the rendezvous store)."""
     import yaml
+
     from testbed.run.runner import run_topology
     doc = yaml.safe_load((REPO / "topologies" / "aggregation.yaml").read_text())
     doc.pop("expect", None)

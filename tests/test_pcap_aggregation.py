@@ -158,6 +158,8 @@ def test_fuzzed_frames_are_marked_never_raised():
         assert st.skip <= aggwire.MAX_CHUNK
         for r in recs:
             assert (r.header is None) == (r.malformed is not None)
+            if r.malformed:
+                assert r.malformed.startswith("malformed aggregation frame at stream offset ")
             if r.header is not None:
                 assert r.header.problem() is None
         marked += st.malformed

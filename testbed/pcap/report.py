@@ -225,10 +225,11 @@ def _totals(per_rail: dict) -> dict:
 def _protocol_lines(rep: dict) -> list[str]:
     """The per-protocol table: one line per (rail, protocol), one per aggregation type group,
     then the totals over the rails."""
-    lines = ["  bytes per protocol (frame bytes: headers + payloads; wire bytes: every captured "
-             "packet of its flows):",
-             f"  {'rail':<6} {'protocol':<12} {'type':<10} {'frames':>8} {'frame bytes':>12} "
-             f"{'wire bytes':>12} {'malformed':>9}"]
+    title = ("  bytes per protocol (frame bytes: headers + payloads; wire bytes: every captured "
+             "packet of its flows):")
+    head = (f"  {'rail':<6} {'protocol':<12} {'type':<10} {'frames':>8} {'frame bytes':>12} "
+            f"{'wire bytes':>12} {'malformed':>9}")
+    lines = [title, head]
     rows = [(r, pr["protocols"]) for r, pr in rep["rails"].items()] + \
         [("total", rep["protocols"])]
     for r, protos in rows:
