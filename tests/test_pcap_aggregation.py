@@ -168,6 +168,21 @@ def test_fuzzed_frames_are_marked_never_raised():
     assert marked > 100
 
 
+def test_a_hole_that_is_never_filled_holds_bounded_memory():
+    """A capture that lost a segment: what comes after the hole is held up to MAX_PENDING, then
+    the flow is given up (named), not buffered to the end of the capture."""
+    from testbed.pcap.stream import MAX_PENDING
+    flow = (H1, 40000, SW, PORT)
+    ra = Reassembler("r1")
+    ra.feed(Segment(0, flow, 999, 0x02, b"", 60))
+    block = bytes(64 << 10)
+    for i in range(1, 2 * MAX_PENDING // len(block)):
+        ra.feed(Segment(i, flow, 1000 + i * len(block), 0x18, block, len(block) + 54))
+        st = ra.flows[flow]
+        assert st.pending_bytes <= MAX_PENDING
+    assert "hole in the capture at stream offset 0" in st.error
+
+
 # ------------------------------------------------------------------ the report, synthetic pcap
 def _packets(src: str, sport: int, dst: str, dport: int, stream: bytes, t: float,
              retransmit: int = -1) -> list:
