@@ -44,6 +44,7 @@ op_id = chunk = 0 and code E_PROTOCOL ends the connection.
 from __future__ import annotations
 
 import json
+import socket
 import struct
 import zlib
 from typing import Any, NamedTuple
@@ -201,6 +202,34 @@ def parse_json(payload: bytes, what: str) -> dict:
     if not isinstance(body, dict):
         raise ProtocolError(f"{what}: a JSON {type(body).__name__}, not an object")
     return body
+
+
+def read_frame(sock: socket.socket, what: str = "frame") -> tuple[Header, bytes]:
+    """One whole frame from a blocking socket: the header is checked (``unpack``: every
+    length bounded) before its payload is read. ConnectionError if the peer closes first."""
+    h = unpack(_read_exact(sock, HEADER_SIZE, what))
+    return h, _read_exact(sock, h.length, what)
+
+
+def _read_exact(sock: socket.socket, n: int, what: str) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        more = sock.recv(n - len(buf))
+        if not more:
+            raise ConnectionError(f"closed in the middle of a {what} ({len(buf)} of {n} bytes)")
+        buf += more
+    return bytes(buf)
+
+
+def ping(address: str, port: int, timeout: float) -> dict:
+    """One PING / PONG (no secret needed): the service's answer ({version, keys, bytes}).
+    OSError (ConnectionError) or ProtocolError if it does not answer as a switch."""
+    with socket.create_connection((address, port), timeout=timeout) as s:
+        s.sendall(header(type=PING))
+        h, payload = read_frame(s, "PONG")
+    if h.type != PONG:
+        raise ConnectionError(f"{TYPE_NAMES[h.type]} instead of PONG")
+    return parse_json(payload, "PONG")
 
 
 def transcript(nonce_rank: bytes, nonce_switch: bytes, job: str, rank: int,

@@ -21,7 +21,6 @@ takes the aggregation back once every rank has one.
 """
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from collections import deque
@@ -33,7 +32,7 @@ from typing import Callable, Optional
 import numpy as np
 
 from . import aggwire, collectives, wire
-from .errors import AggregatorError, ConfigError
+from .errors import AggregatorError, ConfigError, ProtocolError
 from .protocols import (AGG_BYTES, AGG_RTT, AGG_S, HOT, HYBRID_MIN, HYBRID_OPS, OK, REACHABLE,
                         RING_BYTES, RING_S, ROW_COLUMNS, HybridState)
 from .transport.aggregation import AggregationChannel
@@ -63,18 +62,11 @@ class Half:
 
 
 def ping(address: str, port: int, timeout: float = PROBE_TIMEOUT) -> bool:
-    """One PING / PONG (no secret needed): is the switch's service there at all."""
+    """Is the switch's service there at all (one PING / PONG, no secret needed)."""
     try:
-        with socket.create_connection((address, port), timeout=timeout) as s:
-            s.sendall(aggwire.header(type=aggwire.PING))
-            buf = b""
-            while len(buf) < aggwire.HEADER_SIZE:
-                more = s.recv(aggwire.HEADER_SIZE - len(buf))
-                if not more:
-                    return False
-                buf += more
-            return aggwire.unpack(buf).type == aggwire.PONG
-    except (OSError, ValueError, AggregatorError, Exception):
+        aggwire.ping(address, port, timeout)
+        return True
+    except (OSError, ValueError, ProtocolError):
         return False
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from nezha import aggwire
 from testbed.aggregation import control
 from testbed.errors import FabricError, SpecError
 from testbed.fabric import Fabric, state
@@ -97,7 +98,7 @@ def test_ranks_in_the_hosts_allreduce_through_the_switch(no_leftovers):
         recorded = json.loads(fab.state.path.read_text())["objects"]
         assert {"kind": "aggregator", "ns": sw, "rail": "r1", "address": "198.18.1.254",
                 "port": 29400, "pid": agg.proc.pid} in recorded
-        assert netns.call_in(sw, control.ping, "198.18.1.254", 29400) == \
+        assert netns.call_in(sw, aggwire.ping, "198.18.1.254", 29400, 1.0) == \
             {"version": 1, "keys": 0, "bytes": 0}
         assert fab.status()["aggregators"] == {"r1": {
             "endpoint": "198.18.1.254:29400", "answers": True, "keys": 0, "bytes": 0}}

@@ -176,3 +176,32 @@ def test_size_cap_and_cli_verb(tmp_path):
     r = subprocess.run([sys.executable, "-m", "testbed", "pcap", str(tmp_path)],
                        capture_output=True, text=True, cwd=REPO, timeout=120)
     assert r.returncode == 0 and "truncated=True" in r.stdout, r.stdout + r.stderr
+
+
+@pytest.mark.netns
+def test_pcap_shows_aggregation_bytes_on_the_aggregation_rail(tmp_path, no_leftovers):
+    """topologies/aggregation.yaml, shortened (2 hosts, 3 allreduces of 1 MiB), captured: r1
+    carries only aggregation frames (contributions up, results down, a handshake per rank),
+    r0 only Nezha frames and other TCP (the rendezvous store)."""
+    import yaml
+
+    from testbed.run.runner import run_topology
+    doc = yaml.safe_load((REPO / "topologies" / "aggregation.yaml").read_text())
+    doc.pop("expect", None)
+    doc.update(name="aggcap", hosts=2, capture={"max_mb": 32},
+               workload={"kind": "allreduce", "size": "1MiB", "iterations": 3})
+    out = run_topology(spec.loads(yaml.safe_dump(doc)), tmp_path / "run", say=lambda m: None)
+    assert out.metrics["wrong_results"] == 0, out.metrics.notes
+    rep = analyse(tmp_path / "run")
+    print(format_report(rep))
+    r0, r1 = rep["rails"]["r0"]["protocols"], rep["rails"]["r1"]["protocols"]
+    assert set(r1) == {"aggregation"} and "aggregation" not in r0
+    assert r0["nezha"]["frame_bytes"] > 0 and rep["rails"]["r0"]["data_bytes"] > 0
+    agg = r1["aggregation"]
+    assert agg["malformed"] == 0 and not rep["rails"]["r1"]["unparsed_flows"]
+    types = agg["types"]
+    assert types["CONTRIB"]["bytes"] > 100_000 and types["handshake"]["frames"] >= 2 * 4
+    # each rank sends its share up and gets the reduced share back: as many bytes each way
+    assert types["RESULT"]["bytes"] == types["CONTRIB"]["bytes"]
+    assert types["ERROR"]["frames"] == 0
+    assert rep["rails"]["r1"]["wire_bytes"] == agg["wire_bytes"] > types["CONTRIB"]["bytes"] * 2

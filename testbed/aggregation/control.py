@@ -10,7 +10,6 @@ only, as /proc/PID/environ is), never its command line (readable by everyone).
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -65,28 +64,6 @@ def start(rail: str, ns: str, address: str, port: int, secret: str,
     return Aggregator(rail, ns, address, port, proc, log)
 
 
-def ping(address: str, port: int, timeout: float = 1.0) -> dict:
-    """One PING / PONG (run it inside a namespace that reaches ``address``)."""
-    with socket.create_connection((address, port), timeout=timeout) as s:
-        s.sendall(aggwire.header(type=aggwire.PING))
-        buf = b""
-        while len(buf) < aggwire.HEADER_SIZE:
-            more = s.recv(aggwire.HEADER_SIZE - len(buf))
-            if not more:
-                raise ConnectionError("closed before PONG")
-            buf += more
-        h = aggwire.unpack(buf)
-        payload = b""
-        while len(payload) < h.length:
-            more = s.recv(h.length - len(payload))
-            if not more:
-                raise ConnectionError("closed in the middle of PONG")
-            payload += more
-    if h.type != aggwire.PONG:
-        raise ConnectionError(f"{aggwire.TYPE_NAMES[h.type]} instead of PONG")
-    return aggwire.parse_json(payload, "PONG")
-
-
 def wait_ready(agg: Aggregator, timeout: Optional[float] = None) -> dict:
     """PING the service from inside its namespace until it answers; FabricError (with its
     output) if it exits or stays silent for ``timeout`` (START_TIMEOUT)."""
@@ -97,7 +74,7 @@ def wait_ready(agg: Aggregator, timeout: Optional[float] = None) -> dict:
             raise FabricError(f"aggregation service of rail {agg.rail} exited with "
                               f"{agg.proc.returncode}: {agg.log_tail() or 'no output'}")
         try:
-            return netns.call_in(agg.ns, ping, agg.address, agg.port, 0.5)
+            return netns.call_in(agg.ns, aggwire.ping, agg.address, agg.port, 0.5)
         except (OSError, ValueError, ProtocolError) as e:
             if time.monotonic() > deadline:
                 raise FabricError(f"aggregation service of rail {agg.rail} does not answer on "

@@ -4,11 +4,14 @@ Per rail: Nezha bytes and chunks per operation, TCP retransmissions (a segment w
 all seen before), rerouted chunks (the same (sender, op, step, chunk, offset) seen on more than
 one rail), hedged chunks (copies of a late share, marked as such in the DATA header's aux, see
 nezha/engine/hedge.py) and the split that crossed the wire (each rail's share of DATA payload
-bytes).
+bytes). Per rail and in total, the bytes per protocol: Nezha frames, aggregation frames (to and
+from an aggregation rail's switch, by type: CONTRIB, RESULT, ERROR, handshake, PING/PONG), and
+other TCP flows (rendezvous store, MPTCP, iperf3...).
 
 Each packet is captured twice (leaving one host, entering another); a flow is counted once, from
 the capture of the host that owns its source address (``capture.json``, written by
-testbed.run.capture), so every byte is counted once, where it was sent.
+testbed.run.capture), so every byte is counted once, where it was sent. A flow from an address
+no host owns (an aggregation switch) is counted at the host it goes to.
 """
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ from typing import Optional
 from nezha import wire
 
 from testbed.pcap.dissect import frames_in, tcp_segments
+from testbed.pcap.nzag import AGGREGATION, GROUPS
 from testbed.run.capture import MANIFEST
 
 
@@ -45,7 +49,32 @@ def _new_rail() -> dict:
     return {"wire_bytes": 0, "tcp_bytes": 0, "tcp_segments": 0, "frames": 0, "data_bytes": 0,
             "chunks": 0, "retrans_segments": 0, "retrans_bytes": 0, "rerouted_chunks": 0,
             "hedged_chunks": 0,
-            "acks": 0, "flows": 0, "unparsed_flows": []}
+            "acks": 0, "flows": 0, "unparsed_flows": [], "protocols": {}}
+
+
+def _protocol(table: dict, name: str) -> dict:
+    """``table[name]``, the counts of one protocol, created on first use."""
+    if name not in table:
+        table[name] = {"flows": 0, "wire_bytes": 0, "tcp_bytes": 0, "frames": 0,
+                       "frame_bytes": 0, "malformed": 0}
+        if name == AGGREGATION.protocol:
+            table[name]["types"] = {g: {"frames": 0, "bytes": 0} for g in GROUPS}
+    return table[name]
+
+
+def _ordered(protocols: dict) -> list[str]:
+    """Protocol names in a stable order: Nezha, aggregation, then the rest."""
+    first = ["nezha", AGGREGATION.protocol]
+    return sorted(protocols, key=lambda n: (first.index(n) if n in first else len(first), n))
+
+
+def _ours(flow, host: str, owner: dict) -> bool:
+    """Is ``flow`` counted in ``host``'s capture: the host sent it or, from an address no host
+    owns (a switch), receives it. Without a manifest every file may count it."""
+    if not owner:
+        return True
+    src = owner.get(flow[0])
+    return src == host if src is not None else owner.get(flow[2]) == host
 
 
 @dataclass
@@ -66,8 +95,7 @@ class _Tally:
         without a manifest, the first file that has a flow wins."""
         flows = set()
         for seg in tcp_segments(str(path)):
-            if (owner.get(seg.flow[0]) == host if owner else True) \
-                    and seg.flow not in self.seen_flows:
+            if seg.flow not in self.seen_flows and _ours(seg.flow, host, owner):
                 flows.add(seg.flow)
         self.seen_flows |= flows
         return flows
@@ -81,13 +109,20 @@ class _Tally:
             pr["retrans_segments"] += st.retrans_segments
             pr["retrans_bytes"] += st.retrans_bytes
             pr["flows"] += 1
-            if st.error and st.error.startswith("not a Nezha frame at stream offset 0:"):
+            proto = _protocol(pr["protocols"], st.protocol)
+            proto["flows"] += 1
+            proto["wire_bytes"] += st.wire_bytes
+            proto["tcp_bytes"] += st.bytes
+            if st.foreign:
                 pr["other_flows"] = pr.get("other_flows", 0) + 1   # rendezvous store, iperf3...
             elif st.error and st.bytes:
                 pr["unparsed_flows"].append({"flow": list(st.flow), "error": st.error})
 
     def add_frames(self, host: str, rail: str, pr: dict, frames) -> None:
         for fr in frames:
+            self.add_protocol(pr, fr)
+            if fr.protocol != "nezha":
+                continue
             h = fr.header
             pr["frames"] += 1
             if h.type == wire.ACK:
@@ -107,6 +142,20 @@ class _Tally:
                 pr["hedged_chunks"] += 1
             else:
                 self.chunk_rails[key].add(rail)
+
+    @staticmethod
+    def add_protocol(pr: dict, fr) -> None:
+        """Count one frame under its protocol (and its type group, if the protocol has some)."""
+        proto = _protocol(pr["protocols"], fr.protocol)
+        if fr.malformed:
+            proto["malformed"] += 1
+            return
+        proto["frames"] += 1
+        proto["frame_bytes"] += fr.size
+        if fr.group is not None:
+            g = proto["types"][fr.group]
+            g["frames"] += 1
+            g["bytes"] += fr.size
 
     def rerouted(self) -> dict:
         """Chunks sent unmarked on more than one rail (failover moved them), each counted on
@@ -140,6 +189,7 @@ def analyse(results, rails: Optional[list[str]] = None) -> dict:
     for pr in per_rail.values():
         pr["share"] = pr["data_bytes"] / total if total else 0.0
     return {
+        "protocols": _totals(per_rail),
         "results": str(results),
         "rails": per_rail,
         "split": {r: pr["share"] for r, pr in per_rail.items()},
@@ -156,18 +206,56 @@ def analyse(results, rails: Optional[list[str]] = None) -> dict:
     }
 
 
+def _totals(per_rail: dict) -> dict:
+    """Every protocol's counts summed over the rails (type groups too)."""
+    out: dict = {}
+    for pr in per_rail.values():
+        for name, counts in pr["protocols"].items():
+            tot = _protocol(out, name)
+            for k, v in counts.items():
+                if k == "types":
+                    for g, gv in v.items():
+                        tot["types"][g]["frames"] += gv["frames"]
+                        tot["types"][g]["bytes"] += gv["bytes"]
+                else:
+                    tot[k] += v
+    return out
+
+
+def _protocol_lines(rep: dict) -> list[str]:
+    """The per-protocol table: one line per (rail, protocol), one per aggregation type group,
+    then the totals over the rails."""
+    title = ("  bytes per protocol (frame bytes: headers + payloads; wire bytes: every captured "
+             "packet of its flows):")
+    head = (f"  {'rail':<6} {'protocol':<12} {'type':<10} {'frames':>8} {'frame bytes':>12} "
+            f"{'wire bytes':>12} {'malformed':>9}")
+    lines = [title, head]
+    rows = [(r, pr["protocols"]) for r, pr in rep["rails"].items()] + \
+        [("total", rep["protocols"])]
+    for r, protos in rows:
+        for name in _ordered(protos):
+            c = protos[name]
+            lines.append(f"  {r:<6} {name:<12} {'all':<10} {c['frames']:>8} "
+                         f"{c['frame_bytes']:>12} {c['wire_bytes']:>12} {c['malformed']:>9}")
+            for g, gc in c.get("types", {}).items():
+                lines.append(f"  {r:<6} {name:<12} {g:<10} {gc['frames']:>8} {gc['bytes']:>12}")
+    return lines
+
+
 def format_report(rep: dict) -> str:
     lines = [f"captures in {rep['results']}: {rep['data_bytes']} bytes of Nezha data"]
     lines.append(f"  {'rail':<6} {'share':>7} {'data bytes':>12} {'chunks':>7} {'wire bytes':>12} "
-                 f"{'retrans':>8} {'rerouted':>8} {'hedged':>7}")
+                 f"{'retrans':>8} {'rerouted':>8} {'hedged':>7}  protocols")
     for r, pr in rep["rails"].items():
         lines.append(f"  {r:<6} {pr['share'] * 100:>6.1f}% {pr['data_bytes']:>12} "
                      f"{pr['chunks']:>7} {pr['wire_bytes']:>12} {pr['retrans_segments']:>8} "
-                     f"{pr['rerouted_chunks']:>8} {pr.get('hedged_chunks', 0):>7}")
+                     f"{pr['rerouted_chunks']:>8} {pr.get('hedged_chunks', 0):>7}  "
+                     f"{','.join(_ordered(pr['protocols'])) or '-'}")
         if pr.get("other_flows"):
             lines.append(f"         {pr['other_flows']} non-Nezha TCP flow(s) (rendezvous store...)")
         for u in pr["unparsed_flows"]:
             lines.append(f"         flow {u['flow']}: {u['error']}")
+    lines += _protocol_lines(rep)
     if rep["operations"]:
         lines.append("  per operation (bytes/chunks per rail):")
         for op, o in rep["operations"].items():

@@ -130,18 +130,7 @@ def raw_rank(port: int, rank: int, world: int, secret: str = SECRET) -> socket.s
     return s
 
 
-def read_frame(s: socket.socket) -> tuple[aggwire.Header, bytes]:
-    buf = b""
-    while len(buf) < aggwire.HEADER_SIZE:
-        more = s.recv(aggwire.HEADER_SIZE - len(buf))
-        if not more:
-            raise EOFError
-        buf += more
-    h = aggwire.unpack(buf)
-    payload = b""
-    while len(payload) < h.length:
-        payload += s.recv(h.length - len(payload))
-    return h, payload
+read_frame = aggwire.read_frame
 
 
 def contrib(rank: int, world: int, x: np.ndarray, **over) -> bytes:
