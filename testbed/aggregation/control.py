@@ -64,6 +64,12 @@ def start(rail: str, ns: str, address: str, port: int, secret: str,
     return Aggregator(rail, ns, address, port, proc, log)
 
 
+def ping(address: str, port: int, timeout: float = 1.0) -> dict:
+    """The service's PONG (``aggwire.ping``): the fabric's read-back of a switch (run it
+    inside a namespace that reaches ``address``)."""
+    return aggwire.ping(address, port, timeout)
+
+
 def wait_ready(agg: Aggregator, timeout: Optional[float] = None) -> dict:
     """PING the service from inside its namespace until it answers; FabricError (with its
     output) if it exits or stays silent for ``timeout`` (START_TIMEOUT)."""
@@ -74,7 +80,7 @@ def wait_ready(agg: Aggregator, timeout: Optional[float] = None) -> dict:
             raise FabricError(f"aggregation service of rail {agg.rail} exited with "
                               f"{agg.proc.returncode}: {agg.log_tail() or 'no output'}")
         try:
-            return netns.call_in(agg.ns, aggwire.ping, agg.address, agg.port, 0.5)
+            return netns.call_in(agg.ns, ping, agg.address, agg.port, 0.5)
         except (OSError, ValueError, ProtocolError) as e:
             if time.monotonic() > deadline:
                 raise FabricError(f"aggregation service of rail {agg.rail} does not answer on "
