@@ -34,6 +34,8 @@ from __future__ import annotations
 
 import math
 
+from ..balance import HOT
+
 HEDGE_MIN_S = 0.010       # a share is late only this long after its last sibling finished...
 HEDGE_FACTOR = 0.1        # ...and by a tenth of the time the siblings took (1 % loss, 2 x 200
                           # Mbit/s: 0.1 gave 1.18x the single rail, 0.25 1.09x, 1.0 1.02x)
@@ -90,7 +92,7 @@ class Hedging:
         rail that slowed or stalls on a loss still is, at once. Without a model (COLD, a
         pinned split) the siblings alone tell."""
         rs = self.balancer.rs
-        if self.balancer.mode != "nezha" or rs.state != "hot" or rs.used_b is None:
+        if self.balancer.mode != "nezha" or rs.state != HOT or rs.used_b is None:
             return True
         b = rs.used_b[rail]
         if not (b > 0 and math.isfinite(b)):

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from nezha import wire
+from nezha import balance, wire
 from nezha.balance import Balancer
 from nezha.config import Config
 from nezha.engine import Desc, Engine
@@ -204,3 +204,29 @@ def test_end_op_revokes_reads_still_in_place():
     assert eng.data_target(c1, header(0, total, total, rail=1)._replace(op_id=op), 1.0) is not None
     eng.end_op(op)
     assert c1.revoked == 1 and c0.revoked == 0
+
+
+def test_in_hot_a_share_behind_its_siblings_is_copied_only_once_overdue_by_the_model():
+    """On a ring whose split is set by a slower hop, a rail finishes first on the faster hops
+    every time: in HOT its sibling is copied only once it has been on its rail 1.5x what the
+    agreed model says it takes (engine/hedge.py, Hedging._overdue)."""
+    eng = engine()
+    rs = eng.balancer.rs
+    rs.state, rs.used_a = balance.HOT, [1e-4, 1e-4]
+    rs.used_b = [2e-7, 2e-7]              # a 0.5 MiB share should take about 105 ms
+    c0, c1 = FakeConn(1, 0), FakeConn(1, 1)
+    eng.conns = {(1, 0): c0, (1, 1): c1}
+    op = eng.begin_op()
+    msg = eng.send(1, op, 0, memoryview(bytearray(1 << 20)),
+                   Desc(wire.K_ALLREDUCE, 1, 1, 1 << 20), elem=4)
+    by_rail = {r: [ch for ch in msg.chunks if ch.rail == r] for r in (0, 1)}
+    for ch in by_rail[0] + by_rail[1]:
+        eng.before_send(c0 if ch.rail == 0 else c1, ch)
+    for ch in by_rail[0]:
+        ack(eng, c0, ch)                  # rail 0 done; rail 1 not yet
+    expected = rs.used_a[1] + msg.share[1] * rs.used_b[1]
+    last = max(msg.done_at.values())
+    eng.hedge(last + 0.05)                # its sibling done 50 ms ago, the model not yet due
+    assert len(c0.queued) == len(by_rail[0])
+    eng.hedge(msg.t0[1] + 1.6 * expected)  # overdue by the model: copied
+    assert c0.queued[len(by_rail[0]):] == by_rail[1]
