@@ -33,7 +33,7 @@ NEZHA_NOTSENT_LOWAT         int      262144          TCP_NOTSENT_LOWAT bytes (25
 NEZHA_TCP_CONGESTION        str      (host default)  per-socket congestion control, e.g. cubic
 NEZHA_STAGING_LIMIT         int      1073741824      bytes staged before their receive; 0 = 1 GiB
 NEZHA_PIPE_BLOCK            int      2097152         ring pipeline block bytes (2 MiB)
-NEZHA_WATCHDOG_MS           float    60              least stall before the watchdog checks a rail
+NEZHA_WATCHDOG_MS           float    20              least stall before the watchdog checks a rail
 NEZHA_CHECK_TIMEOUT_MS      float    100             wait for the peer's "bytes arrive?" answer
 NEZHA_HEARTBEAT_MS          float    250             idle time after which a HEARTBEAT is sent
 NEZHA_HEARTBEAT_TIMEOUT_MS  float    1500            silence after which a connection fails
@@ -154,7 +154,7 @@ class Config:
     tcp_congestion: str = ""
     staging_limit: int = 1 << 30
     pipe_block: int = 2 << 20
-    watchdog_ms: float = 60.0
+    watchdog_ms: float = 20.0
     check_timeout_ms: float = 100.0
     heartbeat_ms: float = 250.0
     heartbeat_timeout_ms: float = 1500.0

@@ -38,6 +38,7 @@ from .errors import ConfigError
 from .events import Events
 from .exchange import maybe_exchange
 from .health import Health
+from .pathprobe import PathProber
 from .hybrid import HybridAllreduce
 from .kinds import OPS, SYSTEMS
 from .costs import SAMPLE_MIN_OP
@@ -79,6 +80,7 @@ class Context:
                               f"{len(self.rail_addrs)} rails: give one per rail")
         self._closed = False
         self._health = None
+        self._prober = None
         self._rdv = None
         self._lock = threading.RLock()    # a hybrid allreduce is several ops under it
         self._hybrid: HybridAllreduce | None = None
@@ -132,9 +134,13 @@ class Context:
         rdv.open_store(store, master, serve_store, self._config)
         rdv.meet(group, endpoints, deadline)
         rdv.connect(deadline)
+        self._prober = PathProber(self.rank, endpoints, rdv.rail_key,
+                                  lambda p, r: tuple(rdv.infos[p]["rails"][r]),
+                                  blocked=self._probe_blocked)
+        self._prober.start()
         # heartbeats start before the last barrier: a slow rank must not look dead
         self._health = Health(self._engine, rdv.rejoin, self.rail_addrs, self._config,
-                              refuses=rdv.refuses)
+                              refuses=rdv.refuses, prober=self._prober)
         self._health.start()
         rdv.all_connected(deadline)
 
@@ -280,6 +286,11 @@ class Context:
         both directions (like a link that drops everything), without any socket error."""
         self._engine.conns[(peer, rail)].blackhole = True
 
+    def _probe_blocked(self, peer: int, rail: int) -> bool:
+        """The test hooks above stop path probes too (a black hole drops every packet)."""
+        c = self._engine.conns.get((peer, rail))
+        return self._engine.silenced or (c is not None and c.blackhole)
+
     def _debug_silence(self):
         """Test hook: this rank stops moving bytes on every connection, present and future,
         without any socket error (a hung host). A per-connection black hole is undone by
@@ -295,6 +306,8 @@ class Context:
             self._hybrid.close()
         if getattr(self, "_health", None) is not None:
             self._health.close()
+        if getattr(self, "_prober", None) is not None:
+            self._prober.close()
         if self._transport is not None:
             self._transport.close()
         conns = list(eng.conns.values())

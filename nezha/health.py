@@ -7,7 +7,7 @@
    ``stall_limit(rail)`` = max(WATCHDOG_MIN, WATCHDOG_FACTOR * (a_r + 64 KiB * b_r),
    RTO_FACTOR * tcpi_rto before back-off), is *checked*: the peer is asked over another rail
    whether bytes still reach it on that connection. Nothing (or no answer within
-   CHECK_TIMEOUT) fails it (a black hole); some means slow, not dead (see Health.check). A
+   CHECK_TIMEOUT) means a black hole, if the probes agree; some means slow, not dead. A
    congested or lossy rail keeps returning ACKs while delivery waits on a retransmission; the
    RTO term keeps a plain loss from triggering a check; lower the routes' ``rto_min`` for
    faster detection. Kernel ACKs are used, not nezha ACKs, because a nezha ACK may wait behind
@@ -16,7 +16,15 @@
    ACK, so a peer that is merely behind is not taken for dead. Only segments in flight
    without delivery count: a slow receiver closes its window (nothing in flight). The last
    live rail to a peer is never failed on suspicion (only by socket errors; the collective's
-   timeout covers the rest).
+   timeout covers the rest). "Nothing" is evidence, not yet a verdict: the path probes decide
+   (pathprobe.py; their burst starts at PROBE_EARLY of the limit): the rail is dead when its
+   probes go unanswered while another rail's to the same peer are answered. A connection in
+   back-off sends one segment per RTO, so for a few RTOs a 30 % loss burst and a black hole
+   look alike to TCP; to 12 probes they do not.
+2b. The receiver's side: a rail that owes us a share of a message whose other rails deliver
+   it, silent for the same limit, is checked the other way round: the sender is asked
+   whether its TCP still gets ACKs on it (``_silent``); none is evidence, and the probes
+   decide.
 3. Heartbeats: every connection idle for HEARTBEAT_INTERVAL sends a HEARTBEAT; one that has
    received nothing for HEARTBEAT_TIMEOUT is failed. Every 250 ms by default (6 per timeout):
    at 100 ms the heartbeats of 56 idle connections (5 ranks x 14 rails, on loopback) took 7 %
@@ -57,6 +65,7 @@ from typing import Callable, NamedTuple, Optional, Sequence
 from . import wire
 from .config import Config
 from .errors import CommError, PeerClosedError
+from .pathprobe import PROBE_COUNT, PROBE_TIMEOUT_MIN, PathProber
 
 CHECK_MEMORY = 2.0     # s a peer's "bytes arrive" answer widens later questions (see check)
 WATCHDOG_FACTOR = 4.0
@@ -67,6 +76,7 @@ LIVENESS_EVERY = 0.2       # s between "does its process still listen?" checks o
 RTO_FACTOR = 1.25
 TICK = 0.01
 IDLE_EVERY = 5           # ticks between looks at an idle connection (Health.run)
+PROBE_EARLY = 0.5        # of the watchdog's limit: path probes start, so their verdict is in
 
 
 class TcpInfo(NamedTuple):
@@ -110,8 +120,10 @@ class Health:
     the config (timings)."""
 
     def __init__(self, eng, rejoin: Callable[[int, int], None], rail_addrs: Sequence[str],
-                 config: Config = Config(), refuses: Optional[Callable[[int], bool]] = None):
+                 config: Config = Config(), refuses: Optional[Callable[[int], bool]] = None,
+                 prober: Optional[PathProber] = None):
         self.eng = eng
+        self.prober = prober         # path probes (pathprobe.py): the arbiter of "dead"
         self.rejoin = rejoin
         self.refuses = refuses       # peer -> every rail refuses a connection (it exited)
         self.liveness_at: dict[int, float] = {}
@@ -134,6 +146,8 @@ class Health:
         self.link_thread = None
         self._check_seq = 0
         self.eng.on_arrivals = self.on_arrivals
+        self.eng.on_acks_question = self.on_acks_question
+        self.eng.on_acks = self.on_acks
 
     def start(self):
         self.thread.start()
@@ -178,17 +192,24 @@ class Health:
             tick += 1
             if eng.hedging:
                 eng.hedge(now)
+            # peers we expect data from (an incomplete posted receive): their silence counts
+            expecting = {key[2] for key, slot in list(eng.slots.items()) if not slot.complete}
             for (peer, rail), conn in list(eng.conns.items()):
                 if not conn.alive:
                     continue
                 # an idle connection (nothing of ours out, nothing read since it was last
-                # looked at) is looked at every IDLE_EVERY ticks: 56 of them (5 ranks x 14
-                # rails) looked at every tick took 6 % of a core per rank doing nothing
-                if conn.unacked == 0 and conn.rx_all == conn.rx_seen and tick % IDLE_EVERY:
+                # looked at, nothing expected) is looked at every IDLE_EVERY ticks: 56 of them
+                # (5 ranks x 14 rails) looked at every tick took 6 % of a core per rank
+                if conn.unacked == 0 and conn.rx_all == conn.rx_seen and tick % IDLE_EVERY \
+                        and peer not in expecting and not conn.dead_why:
                     continue
                 conn.rx_seen = conn.rx_all
                 conn.arrivals.append((now, conn.arrived()))
+                if conn.dead_why and self._judge(conn, now):
+                    continue
                 if conn.unacked > 0 and self._watch(conn, rail, now):
+                    continue
+                if self._silent(conn, now):
                     continue
                 if now - conn.last_rx > self.heartbeat_timeout:
                     self.suspect(conn, f"nothing received for {(now - conn.last_rx) * 1e3:.0f} ms")
@@ -213,7 +234,8 @@ class Health:
             if ti.delivered != conn.tcp_delivered or not ti.unacked:
                 conn.tcp_delivered = ti.delivered
                 conn.tcp_moved = now
-                conn.tcp_rto = ti.rto
+                # before back-off: our own small frames (ACKs) may be what backs it off
+                conn.tcp_rto = ti.rto / (1 << min(ti.backoff, 16))
             since = max(conn.tcp_moved, conn.busy_since)
             # one lost segment costs TCP a retransmission timeout: not a fault.
             # The RTO as it was when delivery last moved: during a black hole
@@ -227,6 +249,10 @@ class Health:
         if stuck:
             self.check(conn, now, now - since, limit, ti)
             return True
+        if self.prober is not None and now - since > PROBE_EARLY * limit and (
+                ti is None or ti.last_ack > PROBE_EARLY * limit):
+            # under way already, so its verdict is in by the time the check needs it
+            self._probe(conn, now)
         conn.check_id = None
         return False
 
@@ -271,8 +297,9 @@ class Health:
         if conn.check_id is not None:
             if now - conn.check_t > self.check_timeout:
                 conn.check_id = None
-                self.suspect(conn, why + f"; rank {conn.peer} did not say within "
-                                         f"{self.check_timeout * 1e3:.0f} ms whether bytes arrive")
+                self.dead(conn, why + f"; rank {conn.peer} did not say within "
+                                      f"{self.check_timeout * 1e3:.0f} ms whether bytes arrive",
+                          now)
             return
         others = [r for r in self.eng.live_rails(conn.peer, data=False) if r != conn.rail]
         if not others:
@@ -283,6 +310,8 @@ class Health:
             window = max(stalled, RTO_FACTOR * ti.rto)
         self._check_seq += 1
         conn.check_id, conn.check_t, conn.check_why = self._check_seq, now, why
+        if self.prober is not None:
+            self._probe(conn, now)
         self.eng.events.emit("rail_check", peer=conn.peer, rail=conn.rail, stalled_ms=stalled * 1e3,
                              window_ms=window * 1e3, tcp=ti.for_log() if ti else None)
         self.eng.send_control(conn.peer, {"what": "arrivals?", "rail": conn.rail,
@@ -301,8 +330,117 @@ class Health:
             self.eng.events.emit("rail_alive", peer=peer, rail=rail, bytes=nbytes,
                                  waited_ms=(now - conn.check_t) * 1e3)
         else:
-            self.suspect(conn, conn.check_why
-                         + f"; rank {peer} received nothing on it meanwhile")
+            self.dead(conn, conn.check_why + f"; rank {peer} received nothing on it meanwhile",
+                      time.monotonic())
+
+    # ---------------------------------------------------------------- path probes
+    def dead(self, conn, why: str, now: float) -> None:
+        """Evidence that a rail is dead: the path probes decide (``_judge``); without them
+        (no probe socket on the rail) the evidence alone does, as before."""
+        if self.prober is None or not self.prober.available(conn.rail):
+            self.suspect(conn, why)
+            return
+        conn.dead_why = why
+        self._probe(conn, now)
+        self._judge(conn, now)
+
+    def _probe_timeout(self, rail: int) -> float:
+        """The least a probe on ``rail`` is given: on a slow rail it queues behind a few of
+        TCP's 64 KiB segments (2 x 64 KiB at the rail's measured cost)."""
+        est = self.eng.balancer.est[rail]
+        b = est.b if est.b == est.b else 1.0 / WATCHDOG_NOMINAL_BPS
+        return max(PROBE_TIMEOUT_MIN, 2 * (64 << 10) * b)
+
+    def _ref_rail(self, conn) -> Optional[int]:
+        others = [r for r in self.eng.live_rails(conn.peer, data=False) if r != conn.rail]
+        return others[0] if others else None
+
+    def _probe(self, conn, now: float) -> None:
+        """Path probes to the peer on the rail, and on a reference rail to compare with."""
+        self.prober.ask(conn.peer, conn.rail, now, self._ref_rail(conn))
+
+    def _judge(self, conn, now: float) -> bool:
+        """The probes' verdict on a rail with evidence against it; True if it was failed."""
+        verdict = self.prober.verdict(conn.peer, conn.rail, now, self._ref_rail(conn),
+                                      self._probe_timeout(conn.rail))
+        if verdict is None:
+            self._probe(conn, now)       # a no-op while a burst is under way
+            return False
+        why, conn.dead_why = conn.dead_why, ""
+        if verdict:                          # it answers: slow or lossy, not dead
+            conn.tcp_moved = conn.last_ack = conn.check_ok_t = conn.rx_ok_t = now
+            if conn.check_why and why.startswith(conn.check_why):
+                # (a receiver's silence that the probes clear is routine on a loaded rail,
+                # and not logged: it would be an event every PROBE_FRESH per connection)
+                self.eng.events.emit("rail_alive", peer=conn.peer, rail=conn.rail, bytes=0,
+                                     probes=True, evidence=why)
+            return False
+        ref = self._ref_rail(conn)
+        self.eng.events.emit("probe_verdict", peer=conn.peer, rail=conn.rail, ref=ref,
+                             burst=self.prober.describe(conn.peer, conn.rail, now),
+                             ref_burst=None if ref is None else
+                             self.prober.describe(conn.peer, ref, now))
+        self.suspect(conn, why + f"; {PROBE_COUNT} path probes unanswered"
+                                 + ("" if ref is None else f" while rail {ref} answered"))
+        return True
+
+    def _silent(self, conn, now: float) -> bool:
+        """The receiver's evidence: nothing arrives on this rail although the peer's share
+        of a message on it is due (the split is the same on every rank) and its other rails
+        deliver that message. As the sender's watchdog asks the receiver, the receiver asks
+        the sender (over another rail) whether its TCP still gets ACKs on the rail: a slow or
+        congested rail still returns some, a black hole none. No ACKs (or no answer within
+        CHECK_TIMEOUT) is evidence, and the path probes decide (``dead``)."""
+        if conn.rx_check_id is not None:
+            if now - conn.rx_check_t > self.check_timeout:
+                conn.rx_check_id = None
+                self.dead(conn, conn.rx_check_why + f"; rank {conn.peer} did not say within "
+                          f"{self.check_timeout * 1e3:.0f} ms whether its ACKs arrive", now)
+                return not conn.alive
+            return False
+        floor = self.stall_limit(conn.rail)      # as the sender's watchdog: slow rails wait more
+        quiet = now - max(conn.last_rx, conn.rx_ok_t)
+        if self.prober is None or quiet < floor or conn.dead_why:
+            return False
+        since = now - quiet
+        sibs = [c for (p, r), c in list(self.eng.conns.items())
+                if p == conn.peer and r != conn.rail and c.alive and c.last_rx > since]
+        if not sibs or not self.eng.share_due(conn.peer, conn.rail):
+            return False
+        self._check_seq += 1
+        conn.rx_check_id, conn.rx_check_t = self._check_seq, now
+        conn.rx_check_why = (f"nothing received for {quiet * 1e3:.0f} ms while rank "
+                             f"{conn.peer}'s other rails delivered and its share on this rail "
+                             f"was due")
+        self._probe(conn, now)
+        self.eng.send_control(conn.peer, {"what": "acks?", "rail": conn.rail,
+                                          "id": conn.rx_check_id, "window": quiet},
+                              avoid=conn.rail)
+        return False
+
+    def on_acks_question(self, peer: int, rail: int, window: float) -> int:
+        """The peer hears nothing from us on ``rail``: 1 if our TCP got an ACK on it within
+        ``window`` s or has nothing in flight (the path is not what keeps it quiet), else 0."""
+        conn = self.eng.conns.get((peer, rail))
+        if conn is None or not conn.alive:
+            return 0
+        ti = tcp_info(conn.sock) if conn.tcp_info_ok else None
+        if ti is None:
+            return 1 if time.monotonic() - conn.last_ack < window else 0
+        return 1 if ti.unacked == 0 or ti.last_ack < window else 0
+
+    def on_acks(self, peer: int, rail: int, ident: int, moving: int) -> None:
+        """The peer's answer to ``_silent``'s question."""
+        conn = self.eng.conns.get((peer, rail))
+        if conn is None or conn.rx_check_id != ident or not conn.alive:
+            return
+        conn.rx_check_id = None
+        now = time.monotonic()
+        if moving:
+            conn.rx_ok_t = now                   # slow, not dead: quiet is measured afresh
+            return
+        self.dead(conn, conn.rx_check_why + f"; rank {peer}'s TCP got no ACK on it meanwhile",
+                  now)
 
     def suspect(self, conn, why):
         eng = self.eng

@@ -39,9 +39,9 @@ class Agreement:
         try:
             m = json.loads(payload)
             kind, rail = m["what"], int(m["rail"])
-            if kind == "arrivals?":
+            if kind in ("arrivals?", "acks?"):
                 window, ident = float(m["window"]), int(m["id"])
-            elif kind == "arrivals":
+            elif kind in ("arrivals", "acks"):
                 nbytes, ident = int(m["bytes"]), int(m["id"])
         except (ValueError, KeyError, TypeError):
             raise ProtocolError(f"bad CONTROL payload from rank {h.src}")
@@ -57,6 +57,16 @@ class Agreement:
         elif kind == "arrivals":
             if self.on_arrivals is not None:
                 self.on_arrivals(h.src, rail, ident, nbytes)
+        elif kind == "acks?":
+            # the peer receives nothing from us on this rail: does our TCP still get ACKs
+            # on it (1) or has it had data in flight without any ACK for that long (0)?
+            moving = 1 if self.on_acks_question is None else \
+                self.on_acks_question(h.src, rail, min(max(window, 0.0), 5.0))
+            self.send_control(h.src, {"what": "acks", "rail": rail, "id": ident,
+                                      "bytes": moving}, avoid=rail)
+        elif kind == "acks":
+            if self.on_acks is not None:
+                self.on_acks(h.src, rail, ident, nbytes)
         else:
             self._apply_report(kind, rail, h.src, int(m.get("peer", -1)), m.get("op"),
                                int(m.get("seq", 0)), m.get("conn"))

@@ -52,6 +52,8 @@ class Engine(Receiving, Sending, Agreement, Failover, Hedging):
         self._my_seq = 0
         self._rr = 0
         self.on_arrivals = None   # health.Health's answer handler (rank, rail, id, bytes)
+        self.on_acks_question = None   # health.Health: (rank, rail, window) -> 1 moving / 0
+        self.on_acks = None            # health.Health's handler of that answer
         self.costs = ShareCosts(nrails)   # per-rail share times of the current op (costs.py)
 
     def live_rails(self, peer, data: bool = True) -> list[int]:

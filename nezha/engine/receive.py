@@ -10,9 +10,13 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
+
 from .. import wire
 from ..errors import CommError, MismatchError, ProtocolError
 from .messages import ACK_PROGRESS, OP_WINDOW, Desc, RecvSlot
+
+ELEM_BYTES = {code: np.dtype(name).itemsize for code, name in wire.DTYPES.items()}
 
 
 class Receiving:
@@ -68,6 +72,26 @@ class Receiving:
         if err is not None:
             self.fatal(err)
         return slot
+
+    def share_due(self, src: int, rail: int) -> bool:
+        """Does rank ``src`` owe us bytes on ``rail`` of a message that its other rails have
+        begun to deliver? The split is computed as the sender computed it (the same on every
+        rank); health.py takes a silent rail that owes bytes as evidence of a dead one."""
+        with self.cond:
+            slots = [s for k, s in self.slots.items() if k[2] == src and not s.complete
+                     and any(n for r, n in s.rbytes.items() if r != rail)]
+            live = self.live_rails(src)
+        if rail not in live:
+            return False
+        for slot in slots:
+            try:
+                plan = self.balancer.split(slot.total, ELEM_BYTES.get(slot.dtype, 1), live)
+            except (ValueError, ZeroDivisionError):
+                continue
+            share = sum(length for r, _, length in plan if r == rail)
+            if share > slot.rbytes.get(rail, 0) + slot.copied.get(rail, 0):
+                return True
+        return False
 
     def posted(self, op_id):
         """All receives of ``op_id`` are posted: anything else staged for it is unexpected."""

@@ -21,6 +21,11 @@ def test_rail_fails_mid_allreduce_result_stays_exact_and_rail_rejoins(tmp_path, 
         assert "rail_up" in names, names          # re-probed and rejoined
     if how == "blackhole":
         assert any("rail_suspected" in v[2] for _, v in res.values())
+        # decided by the path probes: the black-holed rail went unanswered, rail 0 answered
+        import json
+        reasons = [e.get("reason", "") for r in res for line in open(tmp_path / f"ev.{r}")
+                   for e in [json.loads(line)] if e["event"] == "rail_suspected"]
+        assert any("path probes" in why and "rail 0 answered" in why for why in reasons), reasons
 
 
 def test_every_rail_to_a_peer_breaking_at_once_is_ridden_through(tmp_path):

@@ -1,0 +1,265 @@
+"""Path probes: does a rail still carry packets between two ranks? Decided in tens of
+milliseconds by a burst of small UDP datagrams, each answered by the peer (BFD's echo, on
+demand).
+
+Why not TCP's own view: a connection in retransmission back-off sends one segment per RTO,
+so for the first few RTOs a black hole and a 30 % loss burst look the same to it (and to the
+bytes that reach the peer); telling them apart from TCP alone takes several RTOs. The burst
+does not wait for TCP: a black hole answers none of PROBE_COUNT probes, while a rail that
+loses 30 % each way answers each with p = 0.49, all of them failing with p = 0.51^12 ~ 3e-4
+(and the health thread needs other evidence too). A probe answered at all means the path is
+alive, however slow or lossy it is; it is dead only when PROBE_COUNT probes go unanswered
+while a reference rail to the same peer answers (``verdict``). The health thread asks for a
+burst when its evidence says a rail may be dead (the sender's watchdog, the receiver's
+silence, health.py) and acts on the verdict.
+
+Each rank binds one UDP socket per rail to the rail's address and the port of its TCP
+listener on that rail (UDP ports are a separate space), so a peer knows where to probe from
+the rendezvous. Datagrams carry an HMAC under the job's rail key and a random session id, so
+a stranger can neither answer for a dead rail (making it look alive) nor replay an old
+answer; it cannot make a live rail look dead either, since only silence counts as evidence.
+Where a socket cannot be bound the rail has no probe and health.py decides as it did before
+(``verdict`` is None).
+"""
+from __future__ import annotations
+
+import os
+import secrets
+import select
+import socket
+import struct
+import threading
+import time
+from typing import Callable, Optional, Sequence
+
+from . import auth
+
+PROBE_COUNT = 12           # probes per burst
+PROBE_INTERVAL = 0.001     # s between two probes of a burst
+PROBE_TIMEOUT_MIN = 0.008  # s a probe is given at least before it counts as lost...
+RTT_FACTOR = 3.0           # ...or this many round trips of the reference rail's first answer
+PROBE_TIMEOUT_ALONE = 0.02  # s a probe is given when there is no reference rail
+PROBE_FRESH = 0.1          # s a verdict stands: asked again later, a new burst starts
+REQ, REP = 1, 2
+MAGIC = b"NZPB"
+_HEAD = struct.Struct("!4sBBHIIII")     # magic, type, rail, 0, src, dst, session, seq
+TAG_BYTES = 16
+SIZE = _HEAD.size + TAG_BYTES
+
+
+class _Burst:
+    __slots__ = ("session", "t0", "sent", "t_sent", "answered")
+
+    def __init__(self, t0: float) -> None:
+        self.session = secrets.randbits(32)
+        self.t0 = t0
+        self.sent = 0
+        self.t_sent = t0                          # when the last probe went out
+        self.answered: Optional[float] = None     # when the first answer came
+
+    def rtt(self) -> Optional[float]:
+        """The first answer's delay: the round trip of the burst's first probe (the peer
+        process's scheduling included), since later probes are not sent once it is in."""
+        return None if self.answered is None else self.answered - self.t0
+
+    def over(self, now: float, timeout: float) -> bool:
+        """Every probe sent and the last one given ``timeout``."""
+        return self.sent >= PROBE_COUNT and now - self.t_sent >= timeout
+
+
+class PathProber:
+    """One rank's probe sockets (one per rail), its answers to the peers' probes, and its own
+    bursts. ``endpoint(peer, rail)`` is where the peer listens on that rail (the rendezvous);
+    ``blocked(peer, rail)`` is the engine's test hook for a black-holed connection or a
+    silenced rank (those move no probe either)."""
+
+    def __init__(self, rank: int, rail_addrs: Sequence[tuple[str, int]], key: bytes,
+                 endpoint: Callable[[int, int], tuple[str, int]],
+                 blocked: Callable[[int, int], bool] = lambda p, r: False) -> None:
+        self.rank = rank
+        self.key = auth.mac(key, b"nezha-probe-key")
+        self.endpoint = endpoint
+        self.blocked = blocked
+        self.socks: list[Optional[socket.socket]] = []
+        for addr, port in rail_addrs:
+            s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+            try:
+                s.bind((addr, port))
+                s.setblocking(False)
+            except OSError:
+                s.close()
+                s = None
+            self.socks.append(s)
+        self.bursts: dict[tuple[int, int], _Burst] = {}
+        self.lock = threading.Lock()
+        self.stop = threading.Event()
+        self._wake_r, self._wake_w = os.pipe()
+        self.answered = 0                      # probes of our peers we answered (stats)
+        self.inconclusive = 0                  # bursts that neither rail answered (stats)
+        self.thread = threading.Thread(target=self._loop, daemon=True, name="nz-probe-udp")
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def close(self) -> None:
+        self.stop.set()
+        self._wake()
+        if self.thread.is_alive():
+            self.thread.join(2.0)
+        for s in self.socks:
+            if s is not None:
+                s.close()
+        for fd in (self._wake_r, self._wake_w):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+    def available(self, rail: int) -> bool:
+        return 0 <= rail < len(self.socks) and self.socks[rail] is not None
+
+    # ------------------------------------------------------------------ asking
+    def ask(self, peer: int, rail: int, now: float, ref: Optional[int] = None) -> None:
+        """Start a burst to ``peer`` on ``rail`` unless one is under way or fresh, and one on
+        the reference rail ``ref`` (another live rail to the peer) with it."""
+        if not self.available(rail):
+            return
+        with self.lock:
+            for r in (rail, ref):
+                if r is None or not self.available(r):
+                    continue
+                b = self.bursts.get((peer, r))
+                if b is None or now - b.t0 >= PROBE_COUNT * PROBE_INTERVAL + PROBE_FRESH:
+                    self.bursts[(peer, r)] = _Burst(now)
+        self._wake()
+
+    def verdict(self, peer: int, rail: int, now: float, ref: Optional[int] = None,
+                least: float = PROBE_TIMEOUT_MIN) -> Optional[bool]:
+        """True: the rail answered. False: its burst went unanswered while the reference
+        rail's answered (or there is no reference rail), each probe given RTT_FACTOR times
+        the reference's round trip, and at least ``least`` (health.py gives a slow rail the
+        time its queue of bulk data needs): a peer or a network slowed by a loaded CPU
+        answers late on every rail, and late answers widen the wait. None:
+        no burst, still waiting, or neither answered: then the peer (or this rank) is too
+        slow to answer at all, which says nothing about the rail; both bursts are dropped
+        and the next ``ask`` starts afresh. A slow process is not a dead rail."""
+        with self.lock:
+            b = self.bursts.get((peer, rail))
+            if b is None:
+                return None
+            if b.answered is not None:
+                return True
+            if ref is None or not self.available(ref):
+                return False if b.over(now, max(least, PROBE_TIMEOUT_ALONE)) else None
+            rb = self.bursts.get((peer, ref))
+            if rb is not None and rb.answered is not None:
+                timeout = max(least, RTT_FACTOR * rb.rtt())
+                return False if b.over(now, timeout) else None
+            if rb is not None and not rb.over(now, PROBE_TIMEOUT_ALONE):
+                return None
+            self.bursts.pop((peer, rail), None)
+            self.bursts.pop((peer, ref), None)
+            self.inconclusive += 1
+            return None
+
+    def describe(self, peer: int, rail: int, now: float) -> dict:
+        """A burst as the event log shows it (ms since its start)."""
+        with self.lock:
+            b = self.bursts.get((peer, rail))
+            if b is None:
+                return {}
+            return {"sent": b.sent, "age_ms": round((now - b.t0) * 1e3, 1),
+                    "last_sent_ms": round((b.t_sent - b.t0) * 1e3, 1),
+                    "answer_ms": None if b.answered is None
+                    else round((b.answered - b.t0) * 1e3, 1)}
+
+    def forget(self, peer: int, rail: int) -> None:
+        with self.lock:
+            self.bursts.pop((peer, rail), None)
+
+    # ------------------------------------------------------------------ the wire
+    def _datagram(self, kind: int, rail: int, dst: int, session: int, seq: int) -> bytes:
+        head = _HEAD.pack(MAGIC, kind, rail, 0, self.rank, dst, session, seq)
+        return head + auth.mac(self.key, b"nezha-probe", head)[:TAG_BYTES]
+
+    def _parse(self, data: bytes, rail: int) -> Optional[tuple]:
+        if len(data) != SIZE:
+            return None
+        head, tag = data[:_HEAD.size], data[_HEAD.size:]
+        magic, kind, r, _, src, dst, session, seq = _HEAD.unpack(head)
+        if magic != MAGIC or r != rail or kind not in (REQ, REP):
+            return None
+        if not auth.same(tag, auth.mac(self.key, b"nezha-probe", head)[:TAG_BYTES]):
+            return None
+        return kind, src, dst, session, seq
+
+    def _wake(self) -> None:
+        try:
+            os.write(self._wake_w, b"x")
+        except OSError:
+            pass
+
+    def _loop(self) -> None:
+        poller = select.poll()
+        poller.register(self._wake_r, select.POLLIN)
+        fds = {}
+        for rail, s in enumerate(self.socks):
+            if s is not None:
+                poller.register(s.fileno(), select.POLLIN)
+                fds[s.fileno()] = rail
+        while not self.stop.is_set():
+            timeout = 1 if self._send_due(time.monotonic()) else 200
+            for fd, _ in poller.poll(timeout):
+                if fd == self._wake_r:
+                    try:
+                        os.read(self._wake_r, 512)
+                    except OSError:
+                        pass
+                    continue
+                self._drain(fds[fd])
+
+    def _send_due(self, now: float) -> bool:
+        """Send the probes whose time has come; True while a burst still has probes to send."""
+        with self.lock:
+            due = [(k, b) for k, b in self.bursts.items()
+                   if b.sent < PROBE_COUNT and b.answered is None]
+        busy = False
+        for (peer, rail), b in due:
+            while b.sent < PROBE_COUNT and now >= b.t0 + b.sent * PROBE_INTERVAL:
+                b.sent += 1
+                b.t_sent = now
+                if not self.blocked(peer, rail):
+                    self._send(rail, self.endpoint(peer, rail),
+                               self._datagram(REQ, rail, peer, b.session, b.sent))
+            busy = busy or b.sent < PROBE_COUNT
+        return busy
+
+    def _send(self, rail: int, dest: tuple[str, int], data: bytes) -> None:
+        try:
+            self.socks[rail].sendto(data, dest)
+        except OSError:
+            pass           # a link that is down: the probe is lost, as on a black hole
+
+    def _drain(self, rail: int) -> None:
+        s = self.socks[rail]
+        while True:
+            try:
+                data, addr = s.recvfrom(SIZE + 1)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                return
+            got = self._parse(data, rail)
+            if got is None:
+                continue
+            kind, src, dst, session, seq = got
+            if dst != self.rank or self.blocked(src, rail):
+                continue
+            if kind == REQ:
+                self.answered += 1
+                self._send(rail, addr, self._datagram(REP, rail, src, session, seq))
+                continue
+            with self.lock:
+                b = self.bursts.get((src, rail))
+                if b is not None and b.session == session and b.answered is None:
+                    b.answered = time.monotonic()

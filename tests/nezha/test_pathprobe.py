@@ -1,0 +1,144 @@
+"""Path probes (nezha/pathprobe.py): a rail that answers is alive however slow, a black hole
+next to an answering rail is dead, a peer that answers on no rail is slow (no verdict), and a
+stranger without the job's key can neither answer for a rail nor disturb a burst."""
+from __future__ import annotations
+
+import socket
+import time
+
+import pytest
+
+from nezha import pathprobe
+from nezha.pathprobe import PathProber
+
+KEY = b"k" * 32
+
+
+def _ports(n: int) -> list[int]:
+    socks = [socket.socket(socket.AF_INET, socket.SOCK_DGRAM) for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+@pytest.fixture
+def pair():
+    """Rank 0 and rank 1, two rails each on loopback; ``holes`` black-holes (peer, rail)
+    at rank 1 (it neither sends nor answers there)."""
+    p0, p1 = _ports(2), _ports(2)
+    eps = {0: [("127.0.0.1", p) for p in p0], 1: [("127.0.0.1", p) for p in p1]}
+    holes: set = set()
+    a = PathProber(0, eps[0], KEY, lambda peer, r: eps[peer][r])
+    b = PathProber(1, eps[1], KEY, lambda peer, r: eps[peer][r],
+                   blocked=lambda peer, r: (peer, r) in holes)
+    a.start()
+    b.start()
+    yield a, b, holes, eps
+    a.close()
+    b.close()
+
+
+def _wait_verdict(prober, peer, rail, ref=None, limit=1.0):
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        v = prober.verdict(peer, rail, time.monotonic(), ref)
+        if v is not None:
+            return v
+        time.sleep(0.002)
+    return None
+
+
+def test_an_answering_rail_is_alive(pair):
+    a, b, _, _ = pair
+    a.ask(1, 0, time.monotonic(), ref=1)
+    assert _wait_verdict(a, 1, 0, ref=1) is True
+    assert b.answered >= 1
+
+
+def test_a_black_hole_next_to_an_answering_rail_is_dead(pair):
+    a, _, holes, _ = pair
+    holes.add((0, 1))
+    t0 = time.monotonic()
+    a.ask(1, 1, t0, ref=0)
+    assert _wait_verdict(a, 1, 1, ref=0) is False
+    # the verdict waits for the whole burst and the last probe's timeout
+    assert time.monotonic() - t0 >= (pathprobe.PROBE_COUNT - 1) * pathprobe.PROBE_INTERVAL \
+        + pathprobe.PROBE_TIMEOUT_MIN
+
+
+def test_a_peer_that_answers_on_no_rail_gets_no_verdict(pair):
+    """Both bursts unanswered: the peer process is too slow (or gone), which says nothing
+    about the rail, so there is no verdict and the next ask starts afresh."""
+    a, _, holes, _ = pair
+    holes.update({(0, 0), (0, 1)})
+    a.ask(1, 1, time.monotonic(), ref=0)
+    assert _wait_verdict(a, 1, 1, ref=0, limit=0.2) is None
+    assert a.inconclusive >= 1
+
+
+def test_without_a_reference_rail_silence_is_dead(pair):
+    a, _, holes, _ = pair
+    holes.add((0, 0))
+    a.ask(1, 0, time.monotonic())
+    assert _wait_verdict(a, 1, 0) is False
+
+
+def test_a_stranger_cannot_answer_for_a_dead_rail():
+    """Rank 1's rail 1 is dead, and a process without the job's key holds its address and
+    port there and answers whatever it can read: its answers do not count."""
+    pa, (pb0, pb1) = _ports(2), _ports(2)
+    eps = {0: [("127.0.0.1", p) for p in pa], 1: [("127.0.0.1", pb0), ("127.0.0.1", pb1)]}
+    hold = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    hold.bind(eps[1][0])
+    stranger = PathProber(1, eps[1], b"x" * 32, lambda peer, r: eps[peer][r])
+    hold.close()
+    b = PathProber(1, eps[1], KEY, lambda peer, r: eps[peer][r])
+    a = PathProber(0, eps[0], KEY, lambda peer, r: eps[peer][r])
+    assert [s is not None for s in stranger.socks] == [False, True]
+    assert [s is not None for s in b.socks] == [True, False]
+    for p in (a, b, stranger):
+        p.start()
+    try:
+        a.ask(1, 1, time.monotonic(), ref=0)
+        assert _wait_verdict(a, 1, 1, ref=0) is False
+        assert stranger.answered == 0        # it could not even read a probe
+    finally:
+        for p in (a, b, stranger):
+            p.close()
+
+
+def test_malformed_and_replayed_datagrams_are_ignored(pair):
+    a, b, holes, eps = pair
+    junk = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        for data in (b"", b"NZPB", b"x" * pathprobe.SIZE, b"y" * 65000):
+            junk.sendto(data, eps[1][0])
+        # a genuine answer of an older burst, replayed: another session, not counted
+        old = b._datagram(pathprobe.REP, 0, 0, session=12345, seq=1)
+        holes.add((0, 0))
+        a.ask(1, 0, time.monotonic())
+        junk.sendto(old, eps[0][0])
+        assert _wait_verdict(a, 1, 0) is False
+    finally:
+        junk.close()
+    holes.clear()
+    assert b.thread.is_alive() and a.thread.is_alive()
+    a.forget(1, 0)
+    a.ask(1, 0, time.monotonic())
+    assert _wait_verdict(a, 1, 0) is True
+
+
+def test_a_rail_without_a_socket_has_no_probe():
+    taken = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    taken.bind(("127.0.0.1", 0))
+    try:
+        p = PathProber(0, [taken.getsockname()], KEY, lambda peer, r: ("127.0.0.1", 9))
+        assert not p.available(0)
+        p.ask(1, 0, time.monotonic())
+        assert p.verdict(1, 0, time.monotonic()) is None
+        p.close()
+    finally:
+        taken.close()
