@@ -132,8 +132,10 @@ class Context:
         rdv.open_store(store, master, serve_store, self._config)
         rdv.meet(group, endpoints, deadline)
         rdv.connect(deadline)
-        # heartbeats start before the last barrier: a slow rank must not look dead
-        self._health = Health(self._engine, rdv.rejoin, self.rail_addrs, self._config,
+        # heartbeats start before the last barrier: a slow rank must not look dead; no rail
+        # link events for MPTCP, whose one connection outlives any rail (transport/mptcp.py)
+        links = self.rail_addrs if self._transport.link_events else []
+        self._health = Health(self._engine, rdv.rejoin, links, self._config,
                               refuses=rdv.refuses)
         self._health.start()
         rdv.all_connected(deadline)

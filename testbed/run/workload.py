@@ -200,18 +200,19 @@ class WorkloadRunner:
 
     def _prepare_mptcp(self) -> None:
         """MPTCP's path manager is per namespace: once per run, every host gets the expert
-        configuration (nezha/transport/mptcp.py, ``configure_mptcp``: limits, endpoints,
-        sysctls, and why), and ``ip mptcp monitor`` starts recording in every host's namespace
-        (testbed/run/mptcp_monitor.py) into ``mptcp_events.jsonl`` next to ``ranks/``, the
-        evidence of what MPTCP did around each fault; ``close`` stops it."""
+        configuration (nezha/transport/mptcp.py, ``configure_mptcp_endpoints``: sysctls,
+        limits, ``signal`` endpoints, and why), and ``ip mptcp monitor`` starts recording in
+        every host's namespace (testbed/run/mptcp_monitor.py) into ``mptcp_events.jsonl``
+        next to ``ranks/``, the evidence of what MPTCP did around each fault; ``close``
+        stops it."""
         if self._mptcp_ready:
             return
-        from nezha.transport.mptcp import configure_mptcp
+        from nezha.transport.mptcp import configure_mptcp_endpoints
         from testbed.run.mptcp_monitor import EVENTS_FILE, MptcpMonitor
         topo = self.fabric.topo
         for host in self.hosts:
-            configure_mptcp([(topo.address(host, r.name), r.name) for r in topo.rails],
-                            netns=self.fabric.hosts[host].ns)
+            configure_mptcp_endpoints([(topo.address(host, r.name), r.name)
+                                       for r in topo.rails], netns=self.fabric.hosts[host].ns)
         self.mptcp_monitor = MptcpMonitor(self.fabric, self.hosts,
                                           self.out_dir.parent / EVENTS_FILE,
                                           append=self._mptcp_recorded).start()
