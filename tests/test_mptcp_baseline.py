@@ -4,8 +4,8 @@ testbed/analysis/mptcp.py).
 
 The netns test takes down the whole rail of the connections' initial subflows (r0) in the
 middle of an MPTCP allreduce: the connections must survive it (no rank error, no connection
-made again, no subflow closed), the job must iterate again soon after the rail returns, and
-the monitor must have recorded one subflow per rail on every connection.
+made again, no subflow closed), the job must keep iterating over r1 while r0 is down, and the
+monitor must have recorded one subflow per rail on every connection.
 """
 from __future__ import annotations
 
@@ -74,10 +74,11 @@ def test_the_summary_counts_subflows_and_what_happened_around_a_fault():
 
 # ------------------------------------------------------------------ in namespaces
 OUTAGE_S = 3.0
-# measured on 4 hosts x 2 rails of 150 Mbit/s, r0 down for 3 s (README, "What MPTCP does on
-# each fault kind"): the longest gap between two iterations was 3.1-5.0 s; the bound leaves
-# room for a loaded machine, and still fails a job that waits for a reconnect timeout
-STALL_BOUND_S = OUTAGE_S + 4.0
+# the job goes on over r1 while r0 is down: the longest gap between two iterations is shorter
+# than the outage. Measured: 1.0-1.3 s here (3 hosts), 1.8 and 2.5 s on 4 hosts x 2 rails
+# (README, "What MPTCP does on each fault kind"); with the set-up before issue 13, whose
+# connections Nezha's link events tore down and re-dialled after r0 came back, 3.5-3.6 s
+STALL_BOUND_S = OUTAGE_S
 
 R0_DOWN = f"""
 name: mptcp-r0-down
@@ -117,6 +118,7 @@ def test_mptcp_survives_the_initial_subflows_rail_going_down(tmp_path, no_leftov
     assert any(t > up for t in ends), "no iteration after the rail came back"
     gap = max(b - a for a, b in zip(ends, ends[1:]))
     print(f"r0 down {down:.2f}-{up:.2f} s: longest gap between iterations {gap:.2f} s")
+    assert any(down < t < up for t in ends), f"no iteration ended while r0 was down: {ends}"
     assert gap < STALL_BOUND_S, f"longest gap between iterations {gap:.2f} s"
 
     events = [json.loads(line) for line in open(tmp_path / "r" / "mptcp_events.jsonl")]
