@@ -133,3 +133,78 @@ def test_mptcp_survives_the_initial_subflows_rail_going_down(tmp_path, no_leftov
     summary = res["mptcp"]
     assert summary["connections"] == 6 and summary["subflows_per_connection"] == {"2": 6}
     assert (tmp_path / "r" / "mptcp_summary.txt").read_text().startswith("MPTCP: 6 connection")
+
+
+# ------------------------------------------------------------------ the monitor's life
+class _FakeHost:
+    """Runs what would be ``ip mptcp monitor`` as a script printing one event, then waiting."""
+    ns = None
+
+    def __init__(self):
+        self.processes = []
+
+    def popen(self, argv, **kw):
+        import subprocess
+        import sys
+        line = ("[SF_ESTABLISHED] token=ab remid=1 locid=0 saddr4=198.18.1.1 daddr4=198.18.1.2 "
+                "sport=1 dport=2 backup=0")
+        p = subprocess.Popen([sys.executable, "-c", f"print({line!r}, flush=True); "
+                              "import time; time.sleep(60)"], **kw)
+        self.processes.append(p)
+        return p
+
+
+class _FakeFabric:
+    state = None
+
+    def __init__(self, n=2):
+        self.hosts = {f"h{i}": _FakeHost() for i in range(1, n + 1)}
+
+
+def _wait_for(pred, timeout=5.0):
+    import time
+    deadline = time.monotonic() + timeout
+    while not pred() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return pred()
+
+
+def test_the_monitor_records_stamped_events_and_ends_its_processes(tmp_path):
+    from testbed.run.mptcp_monitor import MptcpMonitor
+    fab = _FakeFabric()
+    path = tmp_path / "mptcp_events.jsonl"
+    mon = MptcpMonitor(fab, list(fab.hosts), path).start(settle=0)
+    try:
+        assert _wait_for(lambda: path.read_text().count('"event": "SF_ESTABLISHED"') == 2)
+    finally:
+        mon.stop()
+    procs = [p for h in fab.hosts.values() for p in h.processes]
+    assert all(p.poll() is not None for p in procs) and not mon.running
+    events = [json.loads(line) for line in path.read_text().splitlines()]
+    sf = [e for e in events if e["event"] == "SF_ESTABLISHED"]
+    assert {e["host"] for e in sf} == {"h1", "h2"} and all(e["mono"] > 0 for e in sf)
+
+
+def test_an_interrupted_workload_stops_the_monitor(tmp_path, monkeypatch):
+    """Ctrl-C in the middle of an mptcp phase: ``run`` stops the monitor on its way out."""
+    from testbed.model.scenario import Workload
+    from testbed.run import workload as wl
+    import nezha.transport.mptcp as mp
+    monkeypatch.setattr(mp, "configure_mptcp_endpoints", lambda rails, netns=None: [])
+    fab = _FakeFabric()
+    fab.topo = type("T", (), {"hosts": ("h1", "h2"), "rails": (), "address": None})()
+    fab.caps = type("C", (), {"congestion_control": lambda self, topo: None})()
+    runner = wl.WorkloadRunner(fab, Workload(kind="allreduce", system="mptcp"),
+                               tmp_path / "ranks")
+
+    def interrupted(phase, index):
+        runner._prepare_mptcp()
+        assert runner.mptcp_monitor is not None and runner.mptcp_monitor.running
+        raise KeyboardInterrupt
+    monkeypatch.setattr(runner, "run_phase", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        runner.run()
+    assert runner.mptcp_monitor is None
+    procs = [p for h in fab.hosts.values() for p in h.processes]
+    assert procs and all(p.poll() is not None for p in procs)
+    assert (tmp_path / "mptcp_events.jsonl").exists()
