@@ -155,10 +155,11 @@ def write(results_dir, run: RunResults) -> dict:
                            if f.t_applied is not None else None) for f in run.faults],
            "detail": m.detail_dict(), "phases": run.phases,
            "sampler": m.detail.get("sampler"),
-           "mptcp": mptcp,
            "versions": versions(),
            "timings": dict(run.timings, report_s=time.monotonic() - t_begin),
            "files": {k: v.name for k, v in written.items()}}
+    if mptcp is not None:       # only a run of the mptcp system has one
+        doc["mptcp"] = mptcp
     p.write_text(json.dumps(jsonable(doc), indent=1))
     written["results"] = p
     return written
