@@ -138,8 +138,10 @@ class Context:
                                   lambda p, r: tuple(rdv.infos[p]["rails"][r]),
                                   blocked=self._probe_blocked)
         self._prober.start()
-        # heartbeats start before the last barrier: a slow rank must not look dead
-        self._health = Health(self._engine, rdv.rejoin, self.rail_addrs, self._config,
+        # heartbeats start before the last barrier: a slow rank must not look dead; no rail
+        # link events for MPTCP, whose one connection outlives any rail (transport/mptcp.py)
+        links = self.rail_addrs if self._transport.link_events else []
+        self._health = Health(self._engine, rdv.rejoin, links, self._config,
                               refuses=rdv.refuses, prober=self._prober)
         self._health.start()
         rdv.all_connected(deadline)

@@ -52,6 +52,7 @@ def send_vec(sock, bufs):
 class Transport:
     """Set-up side of a protocol: listening sockets per logical rail and outgoing connects."""
     name = "base"
+    link_events = True     # health.py fails a rail's connections when its interface goes down
 
     def __init__(self, rails, config: Config = Config()):
         self.rails = list(rails)

@@ -16,6 +16,9 @@
                           reference's losses dashed, the steps a fault overlapped shaded
   train_losses.json       train: {backend: [loss of each step]} (last round), usable as
                           another run's ``reference: PATH``
+  mptcp_summary.txt       when the mptcp system ran: its subflows and, per fault, what the path
+                          manager and counters showed (testbed/analysis/mptcp.py; the events
+                          are in mptcp_events.jsonl, given ``t``; results.json ``mptcp``)
 """
 from __future__ import annotations
 
@@ -138,6 +141,11 @@ def write(results_dir, run: RunResults) -> dict:
     written = _write_data(out, run, t0)
     written.update(_write_plots(out, run, t0))
     m = run.metrics
+    from testbed.analysis import mptcp as mptcp_evidence
+    mptcp = mptcp_evidence.report(out, t0, run.faults)   # the mptcp system ran: its events
+    if mptcp is not None:
+        written["mptcp_events"] = out / "mptcp_events.jsonl"
+        written["mptcp_summary"] = out / "mptcp_summary.txt"
     if m.detail.get("train"):
         written["train_losses"] = write_train_losses(out / "train_losses.json", m)
     p = out / "results.json"
@@ -150,6 +158,8 @@ def write(results_dir, run: RunResults) -> dict:
            "versions": versions(),
            "timings": dict(run.timings, report_s=time.monotonic() - t_begin),
            "files": {k: v.name for k, v in written.items()}}
+    if mptcp is not None:       # only a run of the mptcp system has one
+        doc["mptcp"] = mptcp
     p.write_text(json.dumps(jsonable(doc), indent=1))
     written["results"] = p
     return written

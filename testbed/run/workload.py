@@ -114,6 +114,8 @@ class WorkloadRunner:
         self.current: list[RankProcess] = []
         self._port = BASE_PORT
         self._mptcp_ready = False
+        self.mptcp_monitor = None     # testbed/run/mptcp_monitor.py, while mptcp phases run
+        self._mptcp_recorded = False
         # NEZHA_JOB_SECRET of every rank of this run: the fabric's, which its aggregation
         # switches were given (a fabric handle without one: a fresh secret)
         self.secret = getattr(fabric, "job_secret", None) or secrets.token_hex(16)
@@ -197,18 +199,32 @@ class WorkloadRunner:
         return argv
 
     def _prepare_mptcp(self) -> None:
-        """MPTCP's path manager is per namespace: every rail but the first becomes a
-        ``signal subflow`` endpoint on every host (once per run). Measured here: ``signal``
-        alone never opened the second subflow (all traffic stayed on r0); with ``subflow``
-        both rails carry it."""
+        """MPTCP's path manager is per namespace: once per run, every host gets the expert
+        configuration (nezha/transport/mptcp.py, ``configure_mptcp_endpoints``: sysctls,
+        limits, ``signal`` endpoints, and why), and ``ip mptcp monitor`` starts recording in
+        every host's namespace (testbed/run/mptcp_monitor.py) into ``mptcp_events.jsonl``
+        next to ``ranks/``, the evidence of what MPTCP did around each fault; ``close``
+        stops it."""
         if self._mptcp_ready:
             return
         from nezha.transport.mptcp import configure_mptcp_endpoints
+        from testbed.run.mptcp_monitor import EVENTS_FILE, MptcpMonitor
         topo = self.fabric.topo
         for host in self.hosts:
-            configure_mptcp_endpoints([(topo.address(host, r.name), r.name) for r in topo.rails],
-                                      netns=self.fabric.hosts[host].ns, flags="signal subflow")
+            configure_mptcp_endpoints([(topo.address(host, r.name), r.name)
+                                       for r in topo.rails], netns=self.fabric.hosts[host].ns)
+        self.mptcp_monitor = MptcpMonitor(self.fabric, self.hosts,
+                                          self.out_dir.parent / EVENTS_FILE,
+                                          append=self._mptcp_recorded).start()
+        self._mptcp_recorded = True   # a later run() of this runner appends
         self._mptcp_ready = True
+
+    def close(self) -> None:
+        """Stop what the run started besides the ranks (the MPTCP monitor)."""
+        if self.mptcp_monitor is not None:
+            self.mptcp_monitor.stop()
+            self.mptcp_monitor = None
+            self._mptcp_ready = False       # a later run() configures and records again
 
     def launch(self, phase: Phase, index: int) -> list[RankProcess]:
         if phase.system == "mptcp":
@@ -286,7 +302,10 @@ class WorkloadRunner:
         """Every phase of ``plan`` (default: the workload's), one after another."""
         out = []
         plan = phases(self.workload) if plan is None else plan
-        for i, phase in enumerate(plan):
-            on_phase(i, len(plan), phase)
-            out.append(self.run_phase(phase, i))
+        try:
+            for i, phase in enumerate(plan):
+                on_phase(i, len(plan), phase)
+                out.append(self.run_phase(phase, i))
+        finally:        # an error or Ctrl-C too: no monitor outlives the run
+            self.close()
         return out
