@@ -215,7 +215,7 @@ class DirectionShaper:
         they were (on, veth's default, if this handle never saw them) when the loss is gone."""
         if not self.per_packet_loss:
             return
-        current = ethtool.offloads_in(self.egress_ns, self.egress_if)
+        current = ethtool.offloads_in(self.egress_ns, self.egress_if, self.egress)
         if loss > 0:
             want = {"tso": False, "gso": False}
             if self._saved_offloads is None and current != want:
@@ -226,7 +226,7 @@ class DirectionShaper:
         if current != want:
             try:
                 got = ethtool.set_offloads_in(self.egress_ns, self.egress_if,
-                                              want["tso"], want["gso"])
+                                              want["tso"], want["gso"], self.egress)
             except OSError as e:
                 raise FabricError(f"{self.name}: setting TSO/GSO on {self.egress_ns}/"
                                   f"{self.egress_if} failed: {e}") from e
@@ -235,7 +235,7 @@ class DirectionShaper:
                                       f"{self.egress_if}, the kernel has {got}")
 
     def offloads(self) -> dict:
-        return ethtool.offloads_in(self.egress_ns, self.egress_if)
+        return ethtool.offloads_in(self.egress_ns, self.egress_if, self.egress)
 
     def _kernel_plan(self) -> tuple[Optional[str], Optional[str]]:
         """(root, leaf) kinds of our qdiscs as they are in the kernel now."""
