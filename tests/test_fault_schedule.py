@@ -40,10 +40,13 @@ class FakeLink:
         self.calls.append(("state", up, end))
         return time.monotonic()
 
-    def set_shape(self, shape):
+    def stage_shape(self, shape):
         self.shape = shape
         self.calls.append(("shape", shape))
         return time.monotonic()
+
+    def confirm_shape(self, shape):
+        assert shape == self.shape, "confirmed a shape that was not staged"
 
 
 class FakeRail:

@@ -134,11 +134,28 @@ class Link:
         return time.monotonic()
 
     def set_shape(self, shape: Shape) -> float:
-        """Change rate/loss/delay in place, both directions; read back and verified."""
-        self.up_shaper.change(shape)
-        self.down_shaper.change(shape)
+        """Change rate/loss/delay in place, both directions; read back and verified. Returns
+        when the kernel acknowledged the last change (before the read-back)."""
+        acked = self.stage_shape(shape)
+        self.confirm_shape(shape)
+        return acked
+
+    def stage_shape(self, shape: Shape) -> float:
+        """Both directions' kernel changes, not yet read back; returns when the last was
+        acknowledged. ``confirm_shape`` must follow (it raises on a mismatch)."""
+        self.up_shaper.stage(shape)
+        return self.down_shaper.stage(shape)
+
+    def confirm_shape(self, shape: Shape) -> None:
+        """Read back both directions of a staged shape; only then is it the link's shape."""
+        self.up_shaper.confirm(shape)
+        self.down_shaper.confirm(shape)
         self.shape = shape
-        return time.monotonic()
+
+    def prepare_rates(self, rates: set[int]) -> None:
+        """Pre-encode the htb changes to ``rates`` in both directions (see DirectionShaper)."""
+        self.up_shaper.prepare(rates)
+        self.down_shaper.prepare(rates)
 
     def update_shape(self, **changes) -> float:
         return self.set_shape(replace(self.shape, **changes))
@@ -166,9 +183,11 @@ class Rail:
         return time.monotonic()
 
     def set_shape(self, shape: Shape) -> float:
+        """Every link's change first, then every read-back; returns the last kernel ack."""
+        acked = max((link.stage_shape(shape) for link in self.links), default=time.monotonic())
         for link in self.links:
-            link.set_shape(shape)
-        return time.monotonic()
+            link.confirm_shape(shape)
+        return acked
 
     def update_shape(self, **changes) -> float:
         for link in self.links:

@@ -293,6 +293,11 @@ class Rtnl:
     def request(self, method: str, *args: Any, **kwargs: Any) -> list:
         return self._exchange(encode(method, *args, **kwargs))
 
+    def prepare(self, method: str, *args: Any, **kwargs: Any) -> None:
+        """Encode a request now (kept as a template) that will be sent later, when time
+        matters (a fault at its scheduled time)."""
+        encode(method, *args, **kwargs)
+
     def close(self) -> None:
         if not self.closed:
             self.closed = True

@@ -22,6 +22,8 @@ from testbed.model.spec import Shape
 from testbed.run.traffic import TrafficFlows, flow_hosts
 
 log = logging.getLogger(__name__)
+SPIN_S = 0.002     # the last 2 ms before a step are spun, not slept: a sleeping thread wakes
+                   # 0.1-several ms late on a loaded machine, a spinning one within microseconds
 
 
 class _LinkLayers:
@@ -32,6 +34,7 @@ class _LinkLayers:
         self.base = base
         self.shape_layers: dict[int, dict] = {}
         self.down_holders: dict[int, str] = {}   # fault index -> end held down
+        self.staged: Optional[Shape] = None      # set in the kernel, not yet read back
 
     def effective(self) -> Shape:
         shape = self.base
@@ -49,12 +52,24 @@ class _LinkLayers:
         return replace(shape, loss=round(1.0 - keep, 9))
 
     def push_shape(self, key: int, layer: dict) -> float:
+        """Add a layer; the kernel has the new shape when this returns (its ack time), the
+        read-back is ``confirm``'s."""
         self.shape_layers[key] = layer
-        return self.link.set_shape(self.effective())
+        return self._stage()
 
     def pop_shape(self, key: int) -> float:
         self.shape_layers.pop(key, None)
-        return self.link.set_shape(self.effective())
+        return self._stage()
+
+    def _stage(self) -> float:
+        self.staged = self.effective()
+        return self.link.stage_shape(self.staged)
+
+    def confirm(self) -> None:
+        """Read back a staged shape (raises on a mismatch); nothing staged: nothing to do."""
+        staged, self.staged = self.staged, None
+        if staged is not None:
+            self.link.confirm_shape(staged)
 
     def hold_down(self, key: int, end: str) -> float:
         self.down_holders[key] = end
@@ -142,7 +157,10 @@ class FaultInjector:
     def _warm_up(self) -> None:
         """Touch every netlink socket a fault will use, from this thread: pyroute2 pays ~10 ms
         the first time a thread uses a socket, which would otherwise land inside a fault.
-        A traffic fault's flows are launched here: their senders wait for the fault's time."""
+        A traffic fault's flows are launched here: their senders wait for the fault's time.
+        The htb changes of every rate in the schedule are encoded here too (pyroute2 takes
+        ~1 ms per rate), and each link's ioctl socket is opened (offloads change with loss)."""
+        rates = {f.value for f in self.faults if f.action == "rate"}
         for f in self.faults:
             if f.action == "traffic" and self.traffic is not None:
                 try:
@@ -154,16 +172,24 @@ class FaultInjector:
             for link in self.links_of(f):
                 link.host_end.operstate()
                 link.peer_end.operstate()
+                if f.action in SHAPING and hasattr(link, "prepare_rates"):
+                    base = {link.shape.rate_bps} if link.shape.rate_bps else set()
+                    link.prepare_rates(rates | base)
+                    link.up_shaper.offloads()
+                    link.down_shaper.offloads()
 
     def _run(self) -> None:
         steps = self._plan()
         while steps and not self._stop.is_set():
             offset, _, step, fault = steps[0]
-            delay = self.t0 + offset - time.monotonic()
-            if delay > 0 and self._stop.wait(min(delay, 0.05)):
-                break
-            if delay > 0.0005:
+            due = self.t0 + offset
+            delay = due - time.monotonic()
+            if delay > SPIN_S:
+                if self._stop.wait(min(delay - SPIN_S, 0.05)):
+                    break
                 continue
+            while time.monotonic() < due:
+                time.sleep(0)          # yields the GIL and the CPU, wakes at once
             heapq.heappop(steps)
             try:
                 with self._lock:
@@ -227,6 +253,7 @@ class FaultInjector:
         links = [self.layers[l.name] for l in self.links_of(f)] if f.action != "kill" else []
         if step == "start":
             t = self._start(f, links, t_issued)
+            self._confirm(links)
             rec.t_issued, rec.t_applied = t_issued, t
         elif step in ("flap-down", "flap-up"):
             if step == "flap-down":
@@ -237,10 +264,19 @@ class FaultInjector:
         elif step == "end":
             if f.index not in self._active:
                 return
-            t = rec.t_end = self._end(f, links, t_issued)
+            t = self._end(f, links, t_issued)
+            self._confirm(links)
+            rec.t_end = t
         else:
             t = t_issued
         self.on_event({"t": t, "event": f"fault_{step}", "fault": f.index, "label": f.label})
+
+    @staticmethod
+    def _confirm(links: list[_LinkLayers]) -> None:
+        """Read back every shape a step staged, after the whole step is in the kernel: its
+        time is the last acknowledgement, and a mismatch still fails the step."""
+        for layer in links:
+            layer.confirm()
 
     def _start(self, f: Fault, links: list[_LinkLayers], t: float) -> float:
         """Apply a fault; returns when its last change was acknowledged."""
