@@ -287,3 +287,14 @@ def call_in(ns: Optional[str], fn: Callable[..., T], *args: Any, timeout: float 
     """Run ``fn(*args)`` inside namespace ``ns`` (None: the root namespace) on a worker thread
     and return its result (or raise its exception); sockets ``fn`` opens belong to ``ns``."""
     return submit_in(ns, fn, *args, lane=lane).result(timeout)
+
+
+def _renice(nice: int) -> None:
+    os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+
+
+def set_lane_priority(nice: int, lane: str = "netns") -> None:
+    """Run ``lane``'s worker thread at ``nice`` (root only; Linux nice values are per
+    thread): a fault's nft change waits on that worker, and a nice-0 thread on a loaded
+    machine waits for a time slice. Raises OSError when not permitted."""
+    call_in(None, _renice, nice, lane=lane)
