@@ -123,6 +123,8 @@ class FaultInjector:
         self._active: dict[int, Fault] = {}
         self.faults_by_index = {f.index: f for f in faults}
         self.errors: list[str] = []
+        # (fault index, step, seconds from the scheduled time to the kernel's last ack)
+        self.lateness: list[tuple[int, str, float]] = []
 
     # ---------------------------------------------------------------- targets
     def links_of(self, fault: Fault) -> list[Link]:
@@ -210,11 +212,23 @@ class FaultInjector:
             heapq.heappop(steps)
             try:
                 with self._lock:
-                    self._step(step, fault)
+                    self._step(step, fault, due)
             except Exception as e:  # a fault that could not be applied is a failed run
                 msg = f"fault {fault.index} ({fault.label}) {step} failed: {e}"
                 log.error(msg)
                 self.errors.append(msg)
+
+    def timing(self) -> Optional[str]:
+        """One line for people: how late the schedule's steps took effect (the kernel's last
+        acknowledgement against the scheduled time), median and worst; None without steps."""
+        if not self.lateness:
+            return None
+        late = sorted(x for _, _, x in self.lateness)
+        worst = max(self.lateness, key=lambda e: e[2])
+        label = self.faults_by_index[worst[0]].label
+        return (f"fault changes took effect {late[len(late) // 2] * 1e3:.1f} ms (median), "
+                f"{worst[2] * 1e3:.1f} ms (worst: {label}, {worst[1]}) after their scheduled "
+                f"times ({len(late)} changes)")
 
     def stop(self) -> None:
         """Stop firing and undo every fault still active (the run is over)."""
@@ -264,7 +278,7 @@ class FaultInjector:
         self.records.append(rec)
         return rec
 
-    def _step(self, step: str, f: Fault) -> None:
+    def _step(self, step: str, f: Fault, due: Optional[float] = None) -> None:
         rec = self._record(f)
         t_issued = time.monotonic()
         links = [self.layers[l.name] for l in self.links_of(f)] if f.action != "kill" else []
@@ -286,6 +300,8 @@ class FaultInjector:
             rec.t_end = t
         else:
             t = t_issued
+        if due is not None and f.action != "traffic":   # a traffic fault's time is its flows'
+            self.lateness.append((f.index, step, t - due))
         self.on_event({"t": t, "event": f"fault_{step}", "fault": f.index, "label": f.label})
 
     @staticmethod
