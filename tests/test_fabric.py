@@ -288,3 +288,30 @@ def test_the_built_fabric_seen_by_iproute2_is_the_topology(no_leftovers):
                                        ["ip", "-j", "-d", "link", "show", "br0"]).stdout)
             assert br["mtu"] == r.mtu and "UP" in br["flags"]
             assert br["linkinfo"]["info_data"]["stp_state"] == 0
+
+
+def test_namespaces_are_created_without_a_helper_and_removed_with_their_processes():
+    """netns.create (unshare on the worker thread) makes a namespace ip(8) sees, the caller's
+    thread never changes namespace, and remove_all ends the processes inside (one /proc pass)
+    before deleting."""
+    import os
+    from testbed.kernel import netns
+    names = [f"nzt-rma-{os.getpid()}", f"nzt-rmb-{os.getpid()}"]
+    before = os.stat("/proc/thread-self/ns/net").st_ino
+    try:
+        for name in names:
+            netns.create(name)
+        assert set(names) <= set(netns.listing())
+        assert len({netns.inode(n) for n in names} | {before}) == 3
+        assert os.stat("/proc/thread-self/ns/net").st_ino == before
+        sleeper = netns.popen(names[1], ["sleep", "30"])
+        deadline = time.monotonic() + 5
+        while sleeper.pid not in netns.pids_in(names[1]) and time.monotonic() < deadline:
+            time.sleep(0.01)   # nsenter execs sleep in place: the same pid, moved in
+        assert netns.pids_in_each(names) == {names[0]: [], names[1]: [sleeper.pid]}
+        assert netns.remove_all(names) == names
+        assert sleeper.wait(5) is not None
+        assert not set(names) & set(netns.listing())
+    finally:
+        for name in names:
+            netns.remove(name)

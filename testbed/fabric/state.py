@@ -187,11 +187,7 @@ class RunState:
         """Delete every recorded namespace (links inside die with them), then the file."""
         for ns in self.namespaces:
             check_namespace(ns, self.run_id)     # before anything is removed
-        removed = []
-        for ns in reversed(self.namespaces):
-            if netns.exists(ns):
-                netns.remove(ns)
-                removed.append(ns)
+        removed = netns.remove_all(list(reversed(self.namespaces)))
         if self.path and self.path.exists():
             self.path.unlink()
         return removed

@@ -138,25 +138,42 @@ def inode(name: str) -> int:
 
 def pids_in(name: str) -> list[int]:
     """PIDs whose network namespace is ``name`` (matched by inode, never by name guessing)."""
-    try:
-        target = inode(name)
-    except FileNotFoundError:
-        return []
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
+    return pids_in_each([name])[name]
+
+
+def pids_in_each(names: Sequence[str]) -> dict[str, list[int]]:
+    """{name: PIDs in namespace ``name``} with ONE pass over /proc (a pass stats every
+    process: ~7 ms with 150 processes, once per namespace that was most of a tear-down)."""
+    by_inode: dict[int, str] = {}
+    for name in names:
         try:
-            if os.stat(entry / "ns" / "net").st_ino == target:
-                pids.append(int(entry.name))
-        except OSError:
-            continue
-    return pids
+            by_inode[inode(name)] = name
+        except FileNotFoundError:
+            pass
+    found: dict[str, list[int]] = {name: [] for name in names}
+    if not by_inode:
+        return found
+    with os.scandir("/proc") as entries:
+        for entry in entries:
+            if not entry.name.isdigit():
+                continue
+            try:
+                ino = os.stat(f"/proc/{entry.name}/ns/net").st_ino
+            except OSError:
+                continue
+            if ino in by_inode:
+                found[by_inode[ino]].append(int(entry.name))
+    return found
 
 
 def kill_processes(name: str, grace: float = 1.0) -> None:
     """SIGTERM everything in the namespace, then SIGKILL what is left after ``grace`` seconds."""
-    pids = [p for p in pids_in(name) if p != os.getpid()]
+    kill_pids(pids_in(name), grace)
+
+
+def kill_pids(pids: Sequence[int], grace: float = 1.0) -> None:
+    """SIGTERM ``pids`` (never this process), then SIGKILL what is left after ``grace``."""
+    pids = [p for p in pids if p != os.getpid()]
     for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 0.5)):
         alive = []
         for pid in pids:
@@ -172,6 +189,16 @@ def kill_processes(name: str, grace: float = 1.0) -> None:
         pids = alive
         if not pids:
             return
+
+
+def remove_all(names: Sequence[str]) -> list[str]:
+    """Delete the namespaces of ``names`` that exist, first ending every process inside any
+    of them (they are ours; one /proc pass for all); returns those deleted."""
+    present = [n for n in names if exists(n)]
+    kill_pids([pid for pids in pids_in_each(present).values() for pid in pids])
+    for name in present:
+        _netns.remove(name)
+    return present
 
 
 def _alive(pid: int) -> bool:
