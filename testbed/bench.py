@@ -3,12 +3,14 @@ same fabric (hosts, one Linux bridge per rail, TCLink with the same rates), side
 
     sudo ./tb bench [--repeat 3] [--shapes 8x4,32x2] [--json out.json]
 
-Figures, not a test: it prints min / median / max per system and shape, and the ratio.
+Figures, not a test: it prints min / median / max per system and shape, and the ratio, and the
+machine's load average before and after (other work on a shared machine slows both systems).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -97,7 +99,8 @@ def main(argv=None) -> int:
     systems = {"testbed": ours}
     if not a.no_mininet:
         systems["mininet"] = mininet
-    results = {}
+    results: dict = {"load_before": os.getloadavg()}
+    print("load average (1, 5, 15 min): %.2f %.2f %.2f" % results["load_before"])
     print(f"{'fabric':<8} {'system':<8} {'up s: min  median     max':<26}  "
           f"{'down s: min  median     max':<26}")
     for hosts, rails in shapes:
@@ -116,6 +119,8 @@ def main(argv=None) -> int:
             results[key]["ratio"] = {"up": ratio_up, "down": ratio_down}
             print(f"{key:<8} mininet/testbed median: set-up {ratio_up:.1f}x, "
                   f"tear-down {ratio_down:.1f}x")
+    results["load_after"] = os.getloadavg()
+    print("load average after: %.2f %.2f %.2f" % results["load_after"])
     if a.json:
         with open(a.json, "w") as f:
             json.dump(results, f, indent=1)
