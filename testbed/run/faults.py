@@ -283,7 +283,11 @@ class FaultInjector:
         t_issued = time.monotonic()
         links = [self.layers[l.name] for l in self.links_of(f)] if f.action != "kill" else []
         if step == "start":
-            t = self._start(f, links, t_issued)
+            try:
+                t = self._start(f, links, t_issued)
+            except BaseException:         # what was staged before the failure is not
+                self._forget_staged(links)  # confirmed by a later step
+                raise
             self._confirm(links)
             rec.t_issued, rec.t_applied = t_issued, t
         elif step in ("flap-down", "flap-up"):
@@ -295,7 +299,11 @@ class FaultInjector:
         elif step == "end":
             if f.index not in self._active:
                 return
-            t = self._end(f, links, t_issued)
+            try:
+                t = self._end(f, links, t_issued)
+            except BaseException:
+                self._forget_staged(links)
+                raise
             self._confirm(links)
             rec.t_end = t
         else:
@@ -305,11 +313,19 @@ class FaultInjector:
         self.on_event({"t": t, "event": f"fault_{step}", "fault": f.index, "label": f.label})
 
     @staticmethod
+    def _forget_staged(links: list[_LinkLayers]) -> None:
+        for layer in links:
+            layer.staged = None
+
+    @staticmethod
     def _confirm(links: list[_LinkLayers]) -> None:
         """Read back every shape a step staged, after the whole step is in the kernel: its
         time is the last acknowledgement, and a mismatch still fails the step."""
-        for layer in links:
-            layer.confirm()
+        try:
+            for layer in links:
+                layer.confirm()
+        finally:                          # a failed read-back is not left for the next step
+            FaultInjector._forget_staged(links)
 
     def _start(self, f: Fault, links: list[_LinkLayers], t: float) -> float:
         """Apply a fault; returns when its last change was acknowledged."""
