@@ -226,3 +226,92 @@ def test_link_counters_and_state_match_a_full_dump(no_leftovers):
             assert dumper.dump()["r1"][-1] is True
         finally:
             dumper.close()
+
+
+def _size(text: str) -> float:
+    """tc's printed size (``53028b``, ``51Kb``, ``1Mb``) in bytes."""
+    import re
+    m = re.fullmatch(r"([\d.]+)([KM]?)b", text)
+    assert m, text
+    return float(m.group(1)) * {"": 1, "K": 1024, "M": 1024 * 1024}[m.group(2)]
+
+
+def test_the_built_fabric_seen_by_iproute2_is_the_topology(no_leftovers):
+    """Every name, address, MTU, state, bridge port, gso_max_size and qdisc parameter of a
+    build, read by ip(8) and tc(8) inside each namespace (an observer that shares no code with
+    the fabric's netlink socket), is what the topology and testbed.kernel.tc say."""
+    import json
+    import re
+    from testbed.kernel import netns, tc
+    topo = spec.loads("hosts: 3\nrails:\n  - {name: r0, bandwidth: 100mbit}\n"
+                      "  - {name: r1, bandwidth: 10mbit, mtu: 9000}\n"
+                      "links: {h2.r0: {bandwidth: 40mbit}}\n")
+    with Fabric(topo) as fab:
+        assert sorted(fab.state.namespaces) == sorted(
+            [fab.state.ns_name(h) for h in topo.hosts]
+            + [fab.state.ns_name(f"sw-{r.name}") for r in topo.rails])
+        assert set(fab.state.namespaces) <= set(netns.listing())
+        for (h, r), spec_link in topo.links.items():
+            rate = spec_link.shape.rate_bps
+            gso = tc.gso_size(min(topo.link(x, r).shape.rate_bps for x in topo.hosts),
+                              spec_link.mtu)
+            host_ns, sw_ns = fab.state.ns_name(h), fab.state.ns_name(f"sw-{r}")
+            for ns, ifname in ((host_ns, r), (sw_ns, h)):
+                link, = json.loads(netns.run(ns, ["ip", "-j", "-d", "addr", "show", ifname]).stdout)
+                assert link["mtu"] == spec_link.mtu and "UP" in link["flags"], (ns, ifname)
+                assert link["operstate"] == "UP" and link["linkinfo"]["info_kind"] == "veth"
+                assert link["gso_max_size"] == gso, (ns, ifname, link["gso_max_size"])
+                v4 = [a for a in link["addr_info"] if a["family"] == "inet"]
+                if ns == host_ns:
+                    address = spec_link.address
+                    assert [(a["local"], a["prefixlen"]) for a in v4] == \
+                        [(str(address.ip), address.network.prefixlen)]
+                else:
+                    assert link["master"] == "br0" and not v4
+                qdiscs = json.loads(netns.run(ns, ["tc", "-j", "qdisc", "show", "dev",
+                                                   ifname]).stdout)
+                assert [(q["kind"], q["handle"], q.get("parent")) for q in qdiscs] == \
+                    [("htb", "1:", None), ("pfifo", "10:", "1:10")], (ns, ifname, qdiscs)
+                assert qdiscs[0]["options"]["default"] == "0x10"
+                assert qdiscs[1]["options"]["limit"] == tc.fifo_limit(rate, spec_link.mtu)
+                cls = netns.run(ns, ["tc", "class", "show", "dev", ifname]).stdout
+                m = re.search(r"class htb 1:10 root leaf 10: .*rate (\S+) ceil (\S+) "
+                              r"burst (\S+) cburst (\S+)", cls)
+                assert m, cls
+                assert m.group(1) == m.group(2) == f"{rate // 1_000_000}Mbit", cls
+                assert _size(m.group(3)) == pytest.approx(tc.htb_burst(rate, spec_link.mtu, gso),
+                                                          rel=0.02, abs=1024), cls
+            lo, = json.loads(netns.run(host_ns, ["ip", "-j", "link", "show", "lo"]).stdout)
+            assert "UP" in lo["flags"]
+        for r in topo.rails:
+            br, = json.loads(netns.run(fab.state.ns_name(f"sw-{r.name}"),
+                                       ["ip", "-j", "-d", "link", "show", "br0"]).stdout)
+            assert br["mtu"] == r.mtu and "UP" in br["flags"]
+            assert br["linkinfo"]["info_data"]["stp_state"] == 0
+
+
+def test_namespaces_are_created_without_a_helper_and_removed_with_their_processes():
+    """netns.create (unshare on the worker thread) makes a namespace ip(8) sees, the caller's
+    thread never changes namespace, and remove_all ends the processes inside (one /proc pass)
+    before deleting."""
+    import os
+    from testbed.kernel import netns
+    names = [f"nzt-rma-{os.getpid()}", f"nzt-rmb-{os.getpid()}"]
+    before = os.stat("/proc/thread-self/ns/net").st_ino
+    try:
+        for name in names:
+            netns.create(name)
+        assert set(names) <= set(netns.listing())
+        assert len({netns.inode(n) for n in names} | {before}) == 3
+        assert os.stat("/proc/thread-self/ns/net").st_ino == before
+        sleeper = netns.popen(names[1], ["sleep", "30"])
+        deadline = time.monotonic() + 5
+        while sleeper.pid not in netns.pids_in(names[1]) and time.monotonic() < deadline:
+            time.sleep(0.01)   # nsenter execs sleep in place: the same pid, moved in
+        assert netns.pids_in_each(names) == {names[0]: [], names[1]: [sleeper.pid]}
+        assert netns.remove_all(names) == names
+        assert sleeper.wait(5) is not None
+        assert not set(names) & set(netns.listing())
+    finally:
+        for name in names:
+            netns.remove(name)

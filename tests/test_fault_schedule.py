@@ -40,10 +40,13 @@ class FakeLink:
         self.calls.append(("state", up, end))
         return time.monotonic()
 
-    def set_shape(self, shape):
+    def stage_shape(self, shape):
         self.shape = shape
         self.calls.append(("shape", shape))
         return time.monotonic()
+
+    def confirm_shape(self, shape):
+        assert shape == self.shape, "confirmed a shape that was not staged"
 
 
 class FakeRail:
@@ -182,3 +185,18 @@ faults:
     assert down.t_end == pytest.approx(up.t_applied, abs=1e-6)
     assert at(snaps, 0.2)["h2.r1"][1]["host"] is False
     assert at(snaps, 0.4)["h2.r1"][1]["host"] is True
+
+
+def test_the_schedule_reports_how_late_its_changes_took_effect():
+    """Every step's lateness (kernel ack against the scheduled time) is kept, and summed up
+    in one line for the run's output."""
+    fab, inj, _ = run_schedule("""
+faults:
+  - {at: 0.1s, action: rate, target: r1, value: 20mbit, for: 0.1s}
+  - {at: 0.15s, action: link-down, target: h2.r0, for: 0.1s}
+""", until=0.4)
+    assert [(i, step) for i, step, _ in inj.lateness] == [(0, "start"), (1, "start"),
+                                                          (0, "end"), (1, "end")]
+    assert all(late >= 0 for _, _, late in inj.lateness)      # never before its time
+    line = inj.timing()
+    assert "(median)" in line and "(worst: " in line and "(4 changes)" in line

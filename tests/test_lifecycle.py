@@ -54,8 +54,10 @@ def small(tmp_path) -> Path:
 
 @pytest.fixture
 def big(tmp_path) -> Path:
-    return topology_file(tmp_path, "big", 24, "{name: r0, bandwidth: 100mbit}, "
-                         "{name: r1, bandwidth: 100mbit}, {name: r2, bandwidth: 100mbit}")
+    """A fabric whose build takes long enough to be interrupted in the middle: 64 x 4 (24 x 3
+    builds in 0.3 s since the build stopped forking, and was up before the signal landed)."""
+    return topology_file(tmp_path, "big", 64, ", ".join(
+        f"{{name: r{k}, bandwidth: 100mbit}}" for k in range(4)))
 
 
 def run_id_of(up_output: str) -> str:

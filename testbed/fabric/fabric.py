@@ -5,13 +5,15 @@ The model follows Mininet's nouns: a ``Host`` (a namespace), an ``Intf`` (one en
 one rail, behind one Linux bridge in its own namespace). Faults and measurements act only through
 these handles; nothing outside this module builds an interface name.
 
-All link work goes through netlink (pyroute2). Nothing is ever added to the root namespace: each
-veth is created inside its host's namespace with its peer placed straight into the switch's.
+All link work goes through netlink: one synchronous socket per namespace (testbed.kernel.rtnl,
+requests encoded by pyroute2). Nothing is ever added to the root namespace: each veth is created
+inside its host's namespace with its peer placed straight into the switch's.
 """
 from __future__ import annotations
 
 import ipaddress
 import logging
+import os
 import secrets
 import signal
 import subprocess
@@ -19,10 +21,9 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
-from pyroute2 import IPRoute
-
-from testbed.kernel import netns, tc
+from testbed.kernel import netns, rtnl, tc
 from testbed.kernel.capabilities import Capabilities, probe
+from testbed.kernel.rtnl import Rtnl
 from testbed.errors import FabricError
 from testbed.fabric.shaper import DirectionShaper
 from testbed.model.spec import BRIDGE, Shape, Topology, check_capabilities
@@ -43,7 +44,7 @@ def _aggregation():
     return control
 
 
-def _intf(ns: str, name: str, ipr: IPRoute) -> "Intf":
+def _intf(ns: str, name: str, ipr: Rtnl) -> "Intf":
     found = ipr.link_lookup(ifname=name)
     if not found:
         raise FabricError(f"interface {name} missing in namespace {ns}")
@@ -56,18 +57,24 @@ class Intf:
 
     ns: str
     name: str
-    ipr: IPRoute
+    ipr: Rtnl
     index: int = 0
 
     def set_up(self, up: bool) -> None:
         self.ipr.link("set", index=self.index, state="up" if up else "down")
 
+    def info(self) -> rtnl.LinkInfo:
+        """Flags, MTU, operstate, gso_max_size of this end as the kernel has them now."""
+        info = self.ipr.link_info(self.index)
+        if info is None:
+            raise FabricError(f"interface {self.name} missing in namespace {self.ns}")
+        return info
+
     def operstate(self) -> str:
-        return self.ipr.get_links(self.index)[0].get_attr("IFLA_OPERSTATE")
+        return self.info().operstate
 
     def is_up(self) -> bool:
-        link = self.ipr.get_links(self.index)[0]
-        return bool(link["flags"] & 1)
+        return self.info().up
 
     def counters(self) -> dict:
         """Kernel byte/packet counters of this end (IFLA_STATS64)."""
@@ -82,7 +89,7 @@ class Host:
 
     name: str
     ns: str
-    ipr: IPRoute
+    ipr: Rtnl
     addresses: dict[str, str] = field(default_factory=dict)  # rail -> address
     processes: list[subprocess.Popen] = field(default_factory=list)
 
@@ -127,11 +134,28 @@ class Link:
         return time.monotonic()
 
     def set_shape(self, shape: Shape) -> float:
-        """Change rate/loss/delay in place, both directions; read back and verified."""
-        self.up_shaper.change(shape)
-        self.down_shaper.change(shape)
+        """Change rate/loss/delay in place, both directions; read back and verified. Returns
+        when the kernel acknowledged the last change (before the read-back)."""
+        acked = self.stage_shape(shape)
+        self.confirm_shape(shape)
+        return acked
+
+    def stage_shape(self, shape: Shape) -> float:
+        """Both directions' kernel changes, not yet read back; returns when the last was
+        acknowledged. ``confirm_shape`` must follow (it raises on a mismatch)."""
+        self.up_shaper.stage(shape)
+        return self.down_shaper.stage(shape)
+
+    def confirm_shape(self, shape: Shape) -> None:
+        """Read back both directions of a staged shape; only then is it the link's shape."""
+        self.up_shaper.confirm(shape)
+        self.down_shaper.confirm(shape)
         self.shape = shape
-        return time.monotonic()
+
+    def prepare_rates(self, rates: set[int]) -> None:
+        """Pre-encode the htb changes to ``rates`` in both directions (see DirectionShaper)."""
+        self.up_shaper.prepare(rates)
+        self.down_shaper.prepare(rates)
 
     def update_shape(self, **changes) -> float:
         return self.set_shape(replace(self.shape, **changes))
@@ -159,9 +183,11 @@ class Rail:
         return time.monotonic()
 
     def set_shape(self, shape: Shape) -> float:
+        """Every link's change first, then every read-back; returns the last kernel ack."""
+        acked = max((link.stage_shape(shape) for link in self.links), default=time.monotonic())
         for link in self.links:
-            link.set_shape(shape)
-        return time.monotonic()
+            link.confirm_shape(shape)
+        return acked
 
     def update_shape(self, **changes) -> float:
         for link in self.links:
@@ -188,7 +214,7 @@ class Fabric:
         self.hosts: dict[str, Host] = {}
         self.rails: dict[str, Rail] = {}
         self.links: dict[str, Link] = {}
-        self._ipr: dict[str, IPRoute] = {}   # namespace -> netlink socket inside it
+        self._ipr: dict[str, Rtnl] = {}   # namespace -> netlink socket inside it
         # the job secret of this run's ranks (testbed.run.workload) and aggregation switches
         self.job_secret = secrets.token_hex(16)
         self.aggregators: dict[str, Aggregator] = {}   # rail -> running service
@@ -257,18 +283,20 @@ class Fabric:
         self._ipr.clear()
 
     # ---------------------------------------------------------------- building
-    def _namespace(self, suffix: str) -> str:
+    def _namespaces(self, suffixes: list[str]) -> list[str]:
+        """Record all the names (one write-ahead), then create each namespace, loopback up."""
         assert self.state is not None
-        checkpoint()
-        ns = self.state.ns_name(suffix)
-        self.state.record_namespace(ns)
-        netns.create(ns)
-        ipr = self._open(ns)
-        ipr.link("set", index=ipr.link_lookup(ifname="lo")[0], state="up")
-        return ns
+        names = [self.state.ns_name(suffix) for suffix in suffixes]
+        self.state.record_namespaces(names)
+        for ns in names:
+            checkpoint()
+            netns.create(ns)
+            ipr = self._open(ns)
+            ipr.link("set", index=ipr.link_lookup(ifname="lo")[0], state="up")
+        return names
 
-    def _open(self, ns: str) -> IPRoute:
-        ipr = IPRoute(netns=ns)
+    def _open(self, ns: str) -> Rtnl:
+        ipr = Rtnl(ns)
         self._ipr[ns] = ipr
         return ipr
 
@@ -285,12 +313,12 @@ class Fabric:
     def _create(self) -> None:
         """Namespaces, rail bridges and veths (a backend overrides this step only)."""
         topo = self.topo
-        for h in topo.hosts:
-            self._namespace(h)
-            self.progress(f"host {h}")
+        switches = [f"sw-{rail.name}" for rail in topo.rails] if topo.wiring == "switch" else []
+        self._namespaces(list(topo.hosts) + switches)
+        self.progress(f"{len(topo.hosts)} hosts")
         if topo.wiring == "switch":
             for rail in topo.rails:
-                ipr = self._ipr[self._namespace(f"sw-{rail.name}")]
+                ipr = self._ipr[self.state.ns_name(f"sw-{rail.name}")]
                 ipr.link("add", ifname=BRIDGE, kind="bridge", br_stp_state=0, br_forward_delay=0)
                 br = ipr.link_lookup(ifname=BRIDGE)[0]
                 ipr.link("set", index=br, mtu=rail.mtu, state="up")
@@ -301,7 +329,11 @@ class Fabric:
             if peer_if is None:
                 continue                      # direct wiring: the cable exists from the other side
             host_ipr, peer_ipr = self._ipr[host_ns], self._ipr[peer_ns]
-            host_ipr.link("add", ifname=r, kind="veth", peer={"ifname": peer_if, "net_ns_fd": peer_ns})
+            peer_fd = rtnl.ns_fd(peer_ns)
+            try:
+                host_ipr.add_veth(r, peer_if, peer_fd)
+            finally:
+                os.close(peer_fd)
             self.state.record_object(kind="veth", ns=host_ns, ifname=r, peer_ns=peer_ns,
                                      peer_ifname=peer_if)
             if topo.wiring == "switch":
@@ -429,7 +461,7 @@ class Fabric:
             for end in (link.host_end, link.peer_end):
                 try:
                     end.ipr.link("set", index=end.index, gso_max_size=gso)
-                    got = end.ipr.get_links(end.index)[0].get_attr("IFLA_GSO_MAX_SIZE")
+                    got = end.info().gso_max_size
                 except Exception:   # noqa: BLE001 - an old kernel: keep the default, say so
                     got = None
                 if got != gso:
@@ -513,7 +545,7 @@ class Fabric:
 
     def _address(self, intf: Intf, address: ipaddress.IPv4Interface) -> None:
         ip, subnet = str(address.ip), address.network
-        intf.ipr.addr("add", index=intf.index, address=ip, prefixlen=subnet.prefixlen)
+        intf.ipr.add_address(intf.index, ip, subnet.prefixlen)
         rto = self.topo.tcp.get("rto_min_s")
         if rto:
             intf.ipr.link("set", index=intf.index, state="up")

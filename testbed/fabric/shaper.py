@@ -92,6 +92,11 @@ class DirectionShaper:
         time at which the kernel acknowledged the last step. ``new_link``: the caller has just
         created the link in a new namespace, so there is no old tree or nft chain to remove
         (skipping those look-ups makes a 32-link fabric build several times faster)."""
+        acked = self._apply(shape, new_link)
+        self._verify(shape)
+        return acked
+
+    def _apply(self, shape: Shape, new_link: bool = False) -> float:
         self._check(shape)
         if new_link:
             self._nft_chain_absent = True
@@ -100,24 +105,32 @@ class DirectionShaper:
         self._build_tree(shape)
         self._set_nft_loss(shape.loss, fresh=True)
         self._set_offloads(shape.loss)
-        acked = time.monotonic()
-        self._verify(shape)
-        return acked
+        return time.monotonic()
 
     def change(self, shape: Shape) -> float:
-        """Runtime change in place: htb class 'change', netem 'change', nft head-rule insert
-        (dead rules deleted in the background); a leaf kind switch (pfifo <-> netem) replaces
-        only the leaf; only a root switch (htb <-> netem-only <-> none) rebuilds the tree.
-        Verified by read-back; returns the monotonic time the kernel acked the last step."""
+        """Runtime change in place (``stage``), then read back and verified (``confirm``);
+        returns the monotonic time the kernel acked the last step."""
+        acked = self.stage(shape)
+        self.confirm(shape)
+        return acked
+
+    def stage(self, shape: Shape) -> float:
+        """The kernel side of a runtime change, not yet read back: htb class 'change', netem
+        'change', nft head-rule insert (dead rules deleted in the background); a leaf kind
+        switch (pfifo <-> netem) replaces only the leaf; only a root switch (htb <->
+        netem-only <-> none) rebuilds the tree. Returns when the kernel acked the last step.
+        ``confirm(shape)`` must follow: a fault is applied the moment the kernel has it, and
+        its read-back (1-2 ms per direction) comes after, not in between two directions or
+        two links of one fault."""
         self._check(shape)
         old = self.shape
         if old is None:        # a handle made for an existing fabric: start from the kernel
             try:
                 old = self.read_back()
             except ShapingMismatch:
-                return self.apply(shape)
+                return self._apply(shape)
             if self._plan(old) != self._kernel_plan():
-                return self.apply(shape)
+                return self._apply(shape)
         old_root, old_leaf = self._plan(old)
         root, leaf = self._plan(shape)
         idx = self._ifindex()
@@ -148,10 +161,23 @@ class DirectionShaper:
             self._set_nft_loss(shape.loss, fresh=False)
         if (shape.loss > 0) != (old.loss > 0) or self.shape is None:
             self._set_offloads(shape.loss)
-        acked = time.monotonic()
+        return time.monotonic()
+
+    def confirm(self, shape: Shape) -> None:
+        """Read back what ``stage(shape)`` set: a difference raises ShapingMismatch."""
         self._verify(shape)
         self._collect_stale_nft()
-        return acked
+
+    def prepare(self, rates: set[int]) -> None:
+        """Encode now the htb class requests for ``rates`` (a fault schedule's), so a fault
+        does not pay pyroute2's ~1 ms of rate-table encoding at its scheduled time."""
+        prepare = getattr(self.egress, "prepare", None)
+        if prepare is None:
+            return
+        idx = self._ifindex()
+        for rate in rates:
+            prepare("tc", "change-class", "htb", index=idx, handle=CLASS_HANDLE,
+                    **tc.htb_class_kwargs(rate, self.mtu, self.gso))
 
     def read_back(self) -> Shape:
         """What the kernel actually has for this direction, decoded into a Shape."""
@@ -215,7 +241,7 @@ class DirectionShaper:
         they were (on, veth's default, if this handle never saw them) when the loss is gone."""
         if not self.per_packet_loss:
             return
-        current = ethtool.offloads_in(self.egress_ns, self.egress_if)
+        current = ethtool.offloads_in(self.egress_ns, self.egress_if, self.egress)
         if loss > 0:
             want = {"tso": False, "gso": False}
             if self._saved_offloads is None and current != want:
@@ -226,7 +252,7 @@ class DirectionShaper:
         if current != want:
             try:
                 got = ethtool.set_offloads_in(self.egress_ns, self.egress_if,
-                                              want["tso"], want["gso"])
+                                              want["tso"], want["gso"], self.egress)
             except OSError as e:
                 raise FabricError(f"{self.name}: setting TSO/GSO on {self.egress_ns}/"
                                   f"{self.egress_if} failed: {e}") from e
@@ -235,7 +261,7 @@ class DirectionShaper:
                                       f"{self.egress_if}, the kernel has {got}")
 
     def offloads(self) -> dict:
-        return ethtool.offloads_in(self.egress_ns, self.egress_if)
+        return ethtool.offloads_in(self.egress_ns, self.egress_if, self.egress)
 
     def _kernel_plan(self) -> tuple[Optional[str], Optional[str]]:
         """(root, leaf) kinds of our qdiscs as they are in the kernel now."""

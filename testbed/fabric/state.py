@@ -106,9 +106,15 @@ class RunState:
 
     def record_namespace(self, ns: str) -> None:
         """Write-ahead: the name is on disk before the namespace exists."""
-        if not ns.startswith(PREFIX):
-            raise ValueError(f"namespace {ns!r} lacks the project prefix {PREFIX!r}")
-        self.namespaces.append(ns)
+        self.record_namespaces([ns])
+
+    def record_namespaces(self, names: list[str]) -> None:
+        """Write-ahead for several namespaces with one write (a write is an fsync: 4 ms
+        each on this machine, a quarter of a 64-host build when done per namespace)."""
+        for ns in names:
+            if not ns.startswith(PREFIX):
+                raise ValueError(f"namespace {ns!r} lacks the project prefix {PREFIX!r}")
+        self.namespaces.extend(names)
         self.save()
 
     def record_object(self, **obj) -> None:
@@ -181,11 +187,7 @@ class RunState:
         """Delete every recorded namespace (links inside die with them), then the file."""
         for ns in self.namespaces:
             check_namespace(ns, self.run_id)     # before anything is removed
-        removed = []
-        for ns in reversed(self.namespaces):
-            if netns.exists(ns):
-                netns.remove(ns)
-                removed.append(ns)
+        removed = netns.remove_all(list(reversed(self.namespaces)))
         if self.path and self.path.exists():
             self.path.unlink()
         return removed

@@ -45,7 +45,60 @@ def exists(name: str) -> bool:
 
 
 def create(name: str) -> None:
-    _netns.create(name)
+    """Create and name a new network namespace, without forking: the netns worker thread
+    unshare()s into a fresh one, bind-mounts it at ``path(name)`` and setns()es back (what
+    ``ip netns add`` does in a child; pyroute2's ``netns.create`` forks a helper for it,
+    about 7 ms each)."""
+    _share_netns_dir()
+    target = path(name)
+    os.close(os.open(target, os.O_RDONLY | os.O_CREAT | os.O_EXCL, 0))
+    try:
+        call_in(None, _unshare_and_bind, str(target))
+    except BaseException:
+        target.unlink(missing_ok=True)
+        raise
+
+
+_MS_SHARED, _MS_REC, _MNT_DETACH = 1 << 20, 16384, 2
+_dir_shared = False
+
+
+def _share_netns_dir() -> None:
+    """NETNS_DIR as a shared mount point (once per process), so a namespace mounted there is
+    seen by every mount namespace (iproute2's ``netns_add`` does the same)."""
+    global _dir_shared
+    if _dir_shared:
+        return
+    NETNS_DIR.mkdir(parents=True, exist_ok=True)
+    libc = _libc_handle()
+    d = str(NETNS_DIR).encode()
+    if libc.mount(b"", d, b"none", _MS_SHARED | _MS_REC, None) != 0:
+        if libc.mount(d, d, b"none", _MS_BIND | _MS_REC, None) != 0 or \
+                libc.mount(b"", d, b"none", _MS_SHARED | _MS_REC, None) != 0:
+            err = ctypes.get_errno()
+            raise FabricError(f"cannot make {NETNS_DIR} a shared mount: {os.strerror(err)}")
+    _dir_shared = True
+
+
+def _unshare_and_bind(target: str) -> None:
+    """On a netns worker thread: a fresh namespace for this thread, named at ``target``; the
+    thread then goes back to where it was (setns changes only this thread)."""
+    libc = _libc_handle()
+    own = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
+    try:
+        if libc.unshare(CLONE_NEWNET) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"unshare(CLONE_NEWNET): {os.strerror(err)}")
+        try:
+            if libc.mount(b"/proc/thread-self/ns/net", target.encode(), b"none", _MS_BIND,
+                          None) != 0:
+                err = ctypes.get_errno()
+                raise OSError(err, f"bind mount of a new namespace at {target}: "
+                                   f"{os.strerror(err)}")
+        finally:
+            _setns(own)
+    finally:
+        os.close(own)
 
 
 def attach(name: str, pid: int) -> None:
@@ -85,25 +138,42 @@ def inode(name: str) -> int:
 
 def pids_in(name: str) -> list[int]:
     """PIDs whose network namespace is ``name`` (matched by inode, never by name guessing)."""
-    try:
-        target = inode(name)
-    except FileNotFoundError:
-        return []
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
+    return pids_in_each([name])[name]
+
+
+def pids_in_each(names: Sequence[str]) -> dict[str, list[int]]:
+    """{name: PIDs in namespace ``name``} with ONE pass over /proc (a pass stats every
+    process: ~7 ms with 150 processes, once per namespace that was most of a tear-down)."""
+    by_inode: dict[int, str] = {}
+    for name in names:
         try:
-            if os.stat(entry / "ns" / "net").st_ino == target:
-                pids.append(int(entry.name))
-        except OSError:
-            continue
-    return pids
+            by_inode[inode(name)] = name
+        except FileNotFoundError:
+            pass
+    found: dict[str, list[int]] = {name: [] for name in names}
+    if not by_inode:
+        return found
+    with os.scandir("/proc") as entries:
+        for entry in entries:
+            if not entry.name.isdigit():
+                continue
+            try:
+                ino = os.stat(f"/proc/{entry.name}/ns/net").st_ino
+            except OSError:
+                continue
+            if ino in by_inode:
+                found[by_inode[ino]].append(int(entry.name))
+    return found
 
 
 def kill_processes(name: str, grace: float = 1.0) -> None:
     """SIGTERM everything in the namespace, then SIGKILL what is left after ``grace`` seconds."""
-    pids = [p for p in pids_in(name) if p != os.getpid()]
+    kill_pids(pids_in(name), grace)
+
+
+def kill_pids(pids: Sequence[int], grace: float = 1.0) -> None:
+    """SIGTERM ``pids`` (never this process), then SIGKILL what is left after ``grace``."""
+    pids = [p for p in pids if p != os.getpid()]
     for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 0.5)):
         alive = []
         for pid in pids:
@@ -119,6 +189,16 @@ def kill_processes(name: str, grace: float = 1.0) -> None:
         pids = alive
         if not pids:
             return
+
+
+def remove_all(names: Sequence[str]) -> list[str]:
+    """Delete the namespaces of ``names`` that exist, first ending every process inside any
+    of them (they are ours; one /proc pass for all); returns those deleted."""
+    present = [n for n in names if exists(n)]
+    kill_pids([pid for pids in pids_in_each(present).values() for pid in pids])
+    for name in present:
+        _netns.remove(name)
+    return present
 
 
 def _alive(pid: int) -> bool:
@@ -158,13 +238,20 @@ _lanes_lock = threading.Lock()
 _worker = threading.local()   # .lane is set on our worker threads only
 
 
-def _setns(fd: int) -> None:
+def _libc_handle() -> Any:
     global _libc
     if _libc is None:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.setns.argtypes = [ctypes.c_int, ctypes.c_int]
+        libc.unshare.argtypes = [ctypes.c_int]
+        libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p,
+                               ctypes.c_ulong, ctypes.c_void_p]
         _libc = libc
-    if _libc.setns(fd, CLONE_NEWNET) != 0:
+    return _libc
+
+
+def _setns(fd: int) -> None:
+    if _libc_handle().setns(fd, CLONE_NEWNET) != 0:
         err = ctypes.get_errno()
         raise OSError(err, f"setns: {os.strerror(err)}")
 
@@ -227,3 +314,14 @@ def call_in(ns: Optional[str], fn: Callable[..., T], *args: Any, timeout: float 
     """Run ``fn(*args)`` inside namespace ``ns`` (None: the root namespace) on a worker thread
     and return its result (or raise its exception); sockets ``fn`` opens belong to ``ns``."""
     return submit_in(ns, fn, *args, lane=lane).result(timeout)
+
+
+def _renice(nice: int) -> None:
+    os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+
+
+def set_lane_priority(nice: int, lane: str = "netns") -> None:
+    """Run ``lane``'s worker thread at ``nice`` (root only; Linux nice values are per
+    thread): a fault's nft change waits on that worker, and a nice-0 thread on a loaded
+    machine waits for a time slice. Raises OSError when not permitted."""
+    call_in(None, _renice, nice, lane=lane)

@@ -164,6 +164,8 @@ def _observe(fabric, scenario: Scenario, out: Path, say: Say) -> Observed:
                 + (f" for {f.duration:g}s" if f.duration else ""))
         phases = _run_workload(runner, scenario, t0, say)
     say(f"   workload done in {time.monotonic() - t0:.1f} s; computing metrics")
+    if injector.timing():
+        say(f"   {injector.timing()}")
     return Observed(t0, sampler.stop(), phases, injector.records, list(injector.errors),
                     injector.flow_records, reference)
 
