@@ -140,6 +140,23 @@ def test_link_down_cuts_that_rail_only_and_up_restores(no_leftovers):
         assert probes.reachable(fab, "h1", "h2", "r1")
 
 
+def test_rto_min_survives_a_link_going_down_and_up(no_leftovers):
+    """Link down flushes a link's routes and the kernel re-creates the connected one without
+    metrics: without putting rto_min back, every connection after a fault had a 200 ms RTO."""
+    topo = spec.loads("hosts: 2\nrails: [{name: r0}]\ntcp: {rto_min: 5ms}\n")
+    with Fabric(topo) as fab:
+        host = fab.hosts["h1"]
+
+        def route() -> str:
+            return host.run(["ip", "route", "show", "dev", fab.links["h1.r0"].host_end.name],
+                            check=True).stdout
+        assert "rto_min lock 5ms" in route()
+        fab.links["h1.r0"].set_state(False, end="host")
+        fab.links["h1.r0"].set_state(True, end="host")
+        assert "rto_min lock 5ms" in route(), route()
+        assert probes.reachable(fab, "h1", "h2", "r0")
+
+
 def test_whole_rail_down_and_one_end_down(no_leftovers):
     topo = spec.loads("hosts: 3\nrails: [{name: r0}, {name: r1}]\n")
     with Fabric(topo) as fab:

@@ -59,9 +59,15 @@ class Intf:
     name: str
     ipr: Rtnl
     index: int = 0
+    route: Optional[dict] = None    # its connected route with the topology's TCP metrics
 
     def set_up(self, up: bool) -> None:
+        """Down or up. Taking a link down flushes its routes, and the kernel re-creates the
+        connected route on up without the topology's metrics (``rto_min``): it is put back,
+        or every connection made after the fault would have Linux's 200 ms minimum RTO."""
         self.ipr.link("set", index=self.index, state="up" if up else "down")
+        if up and self.route is not None:
+            self.ipr.route("replace", **self.route)
 
     def info(self) -> rtnl.LinkInfo:
         """Flags, MTU, operstate, gso_max_size of this end as the kernel has them now."""
@@ -549,9 +555,10 @@ class Fabric:
         rto = self.topo.tcp.get("rto_min_s")
         if rto:
             intf.ipr.link("set", index=intf.index, state="up")
-            intf.ipr.route("replace", dst=str(subnet), oif=intf.index, prefsrc=ip, scope="link",
-                           proto="kernel", metrics={"RTAX_LOCK": 1 << RTAX_RTO_MIN,
-                                                    "RTAX_RTO_MIN": max(1, int(rto * 1000))})
+            intf.route = dict(dst=str(subnet), oif=intf.index, prefsrc=ip, scope="link",
+                              proto="kernel", metrics={"RTAX_LOCK": 1 << RTAX_RTO_MIN,
+                                                       "RTAX_RTO_MIN": max(1, int(rto * 1000))})
+            intf.ipr.route("replace", **intf.route)
 
     # ---------------------------------------------------------------- lookup
     def target(self, name: str) -> Link | Rail | Host:
