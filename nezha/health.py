@@ -68,7 +68,7 @@ from .errors import CommError, PeerClosedError
 from .pathprobe import PROBE_COUNT, PROBE_TIMEOUT_MIN, PathProber
 
 CHECK_MEMORY = 2.0     # s a peer's "bytes arrive" answer widens later questions (see check)
-WATCHDOG_FACTOR = 4.0
+WATCHDOG_FACTOR = 3.0
 WATCHDOG_NOMINAL_BPS = 12.5e6   # assumed rail speed (100 Mbit/s) before anything is measured
 PROBE_MIN, PROBE_MAX = 0.1, 1.0
 PROBE_UNREACHABLE = 0.1    # s between re-dials of a peer that has no rail at all
@@ -76,6 +76,7 @@ LIVENESS_EVERY = 0.2       # s between "does its process still listen?" checks o
 RTO_FACTOR = 1.25
 TICK = 0.01
 IDLE_EVERY = 5           # ticks between looks at an idle connection (Health.run)
+RX_FACTOR = 2.0          # the receiver's silence limit, in the sender watchdog's limits
 PROBE_EARLY = 0.5        # of the watchdog's limit: path probes start, so their verdict is in
 
 
@@ -398,7 +399,10 @@ class Health:
                           f"{self.check_timeout * 1e3:.0f} ms whether its ACKs arrive", now)
                 return not conn.alive
             return False
-        floor = self.stall_limit(conn.rail)      # as the sender's watchdog: slow rails wait more
+        # twice the sender's limit: the sender's watchdog is the first line, and a rail whose
+        # rate was just cut (its 64 KiB segments now take tens of ms each) is quiet for one
+        # segment's time before any estimate has caught up
+        floor = RX_FACTOR * self.stall_limit(conn.rail)
         quiet = now - max(conn.last_rx, conn.rx_ok_t)
         if self.prober is None or quiet < floor or conn.dead_why:
             return False
