@@ -345,12 +345,14 @@ class Health:
         self._probe(conn, now)
         self._judge(conn, now)
 
-    def _probe_timeout(self, rail: int) -> float:
-        """The least a probe on ``rail`` is given: on a slow rail it queues behind a few of
-        TCP's 64 KiB segments (2 x 64 KiB at the rail's measured cost)."""
-        est = self.eng.balancer.est[rail]
+    def _probe_timeout(self, conn) -> float:
+        """The least a probe on the rail is given: it queues behind the rail's bulk data, so
+        twice the connection's smoothed RTT (which grows with that queue when a rail slows;
+        a black hole leaves it as it was) and two 64 KiB segments at the rail's cost."""
+        est = self.eng.balancer.est[conn.rail]
         b = est.b if est.b == est.b else 1.0 / WATCHDOG_NOMINAL_BPS
-        return max(PROBE_TIMEOUT_MIN, 2 * (64 << 10) * b)
+        ti = tcp_info(conn.sock) if conn.tcp_info_ok else None
+        return max(PROBE_TIMEOUT_MIN, 2 * (64 << 10) * b, 2 * ti.rtt if ti else 0.0)
 
     def _ref_rail(self, conn) -> Optional[int]:
         others = [r for r in self.eng.live_rails(conn.peer, data=False) if r != conn.rail]
@@ -363,7 +365,7 @@ class Health:
     def _judge(self, conn, now: float) -> bool:
         """The probes' verdict on a rail with evidence against it; True if it was failed."""
         verdict = self.prober.verdict(conn.peer, conn.rail, now, self._ref_rail(conn),
-                                      self._probe_timeout(conn.rail))
+                                      self._probe_timeout(conn))
         if verdict is None:
             self._probe(conn, now)       # a no-op while a burst is under way
             return False
@@ -406,6 +408,9 @@ class Health:
         quiet = now - max(conn.last_rx, conn.rx_ok_t)
         if self.prober is None or quiet < floor or conn.dead_why:
             return False
+        ti = tcp_info(conn.sock) if conn.tcp_info_ok else None
+        if ti is not None and quiet < RX_FACTOR * RTO_FACTOR * ti.rto / (1 << min(ti.backoff, 16)):
+            return False          # quiet for less than this rail's own round trips allow
         since = now - quiet
         sibs = [c for (p, r), c in list(self.eng.conns.items())
                 if p == conn.peer and r != conn.rail and c.alive and c.last_rx > since]
@@ -431,7 +436,9 @@ class Health:
         ti = tcp_info(conn.sock) if conn.tcp_info_ok else None
         if ti is None:
             return 1 if time.monotonic() - conn.last_ack < window else 0
-        return 1 if ti.unacked == 0 or ti.last_ack < window else 0
+        # an ACK within the window, or within two of its round trips (a slowed rail's queue
+        # holds ACKs back that long; a black hole leaves the smoothed RTT where it was)
+        return 1 if ti.unacked == 0 or ti.last_ack < max(window, 2 * ti.rtt) else 0
 
     def on_acks(self, peer: int, rail: int, ident: int, moving: int) -> None:
         """The peer's answer to ``_silent``'s question."""
