@@ -126,7 +126,8 @@ class Context:
         me = Member(self.rank, self.world_size, self.nrails, self.system,
                     tuple(self.rail_addrs), self.timeout)
         self._rdv = rdv = Rendezvous(me, self._transport, self._engine, self.events,
-                                     secret=self._config.job_secret)
+                                     secret=self._config.job_secret,
+                                     connect=self._config.connect)
         endpoints = self._transport.listen()
         deadline = time.monotonic() + self.timeout
         rdv.open_store(store, master, serve_store, self._config)
