@@ -400,7 +400,10 @@ class Rendezvous:
             try:
                 self._accept_handshake(rail, s, gate, time.monotonic() + timeout)
             except (OSError, ValueError, KeyError, TypeError, NezhaError, ConnectionError) as e:
-                self._reject(s, rail, addr, e)
+                if str(e) == CROSSING:      # a member's dial that lost the race: not a stray
+                    s.close()
+                else:
+                    self._reject(s, rail, addr, e)
             finally:
                 with self._hs_lock:
                     self._handshakes -= 1
