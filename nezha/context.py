@@ -259,6 +259,12 @@ class Context:
         s["a"] = self.balancer.rs.a
         s["b"] = self.balancer.rs.b
         s["shares"] = self.balancer.rs.shares()
+        # connections held, per peer (NEZHA_CONNECT=ring: the ring neighbours and the peers
+        # reached on demand, rendezvous.py)
+        conns: dict = {}
+        for p, _ in list(self._engine.conns):
+            conns[p] = conns.get(p, 0) + 1
+        s["connections"] = dict(sorted(conns.items()))
         if self._hybrid is not None:
             s["hybrid"] = self._hybrid.stats()
         return s

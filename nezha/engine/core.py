@@ -70,6 +70,8 @@ class Engine(Receiving, Sending, Agreement, Failover, Hedging):
             return
         if any((peer, r) in self.conns for r in range(self.nrails)):
             return
+        if self.error is not None:
+            raise self.error
         try:
             self.reach_peer(peer)
         except Exception as e:
