@@ -137,3 +137,28 @@ def stranger(rank, world, port, events):
         ctx.barrier()
     out["events"] = [e["event"] for e in events_of(ev)]
     return out
+
+
+def lazy_rejoin(rank, world, port, events, count=257):
+    """A connection made on demand (rank 0 -> rank 3, by a star broadcast) breaks: the higher
+    rank re-dials it like any other, every rank agrees the rail down and up, and the star
+    broadcasts on either side of it are exact."""
+    ev = f"{events}.{rank}"
+    ok = True
+    with make_ctx(rank, world, port, 2, secret=SECRET, events=ev) as ctx:
+        for it in range(2):
+            b = data(0, it, count, "int64") if rank == 0 else np.zeros(count, "int64")
+            ctx.broadcast(b, root=0)
+            ok &= bool(np.array_equal(b, data(0, it, count, "int64")))
+            if it == 0:
+                ctx.barrier()
+                if rank == 0:
+                    ctx._debug_kill_rail(3, 1)
+                time.sleep(1.5)           # detected, reported, re-dialled by rank 3
+                ctx.barrier()
+        a = data(rank, 5, count, "float32")
+        ctx.allreduce(a)
+        ok &= bool(np.array_equal(a, reference(world, 5, count, "float32", "sum")))
+        conns = peers_of(ctx)
+        ctx.barrier()
+    return {"ok": ok, "conns": conns, "events": [e["event"] for e in events_of(ev)]}

@@ -76,3 +76,13 @@ def test_a_stranger_cannot_open_a_connection_on_demand(tmp_path):
     assert 0 not in v3["before"], v3["before"]       # nothing came of the stranger's tries
     assert v3["after"].get(0) == 1                   # the real rank 0 got through
     assert v3["events"].count("stray_connection") >= 3, v3["events"]
+
+
+def test_a_connection_made_on_demand_rejoins_like_any_other(tmp_path):
+    res = run_ranks(sparsefns.lazy_rejoin, WORLD, timeout=120, events=str(tmp_path / "ev"))
+    for r, (ok, v) in res.items():
+        assert ok, (r, v)
+        assert v["ok"], r
+        assert v["events"].count("rail_agreed") >= 2, (r, v["events"])   # down, then up
+    assert "rail_up" in res[3][1]["events"]          # the higher rank re-dialled
+    assert res[3][1]["conns"].get(0) == 2 and res[0][1]["conns"].get(3) == 2
