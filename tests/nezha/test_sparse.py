@@ -1,6 +1,10 @@
 """Connections on demand (issue 13): a job holds its ring neighbours' connections only, and
 any other pair connects on its first message, authenticated like a first connection."""
+import pytest
+
 import sparsefns
+from nezha.config import Config
+from nezha.errors import ConfigError
 from nezha.rendezvous import start_peers
 from nezha.testing import run_ranks
 
@@ -16,6 +20,13 @@ def test_start_peers():
     assert start_peers(3, 6, "full") == {0, 1, 2, 4, 5}
     assert start_peers(1, 4) == {0, 2, 3}          # up to 4 ranks the ring is every pair
     assert start_peers(0, 2) == {1} and start_peers(0, 1) == set()
+
+
+def test_connect_knob():
+    assert Config.from_env({}).connect == "ring"
+    assert Config.from_env({"NEZHA_CONNECT": "full"}).connect == "full"
+    with pytest.raises(ConfigError, match="NEZHA_CONNECT"):
+        Config.from_env({"NEZHA_CONNECT": "mesh"})
 
 
 def test_a_ring_job_holds_neighbours_only_and_reaches_others_on_first_use():
