@@ -23,9 +23,9 @@
        acceptor -> dialler   AUTH  {ok: true, token} | {ok: false, reason}
 
    T = (dialler rank, acceptor rank, rail, world size, Nd, Na), Nd and Na 32 fresh random bytes;
-   K = the rail key on the first connect (at start or on demand), HMAC(rail key, token) on a rejoin, where token is
-   the random value the acceptor sent in the verdict of that pair's first connection on that
-   rail (it never goes through the store). Each side checks the other's proof; a socket
+   K = the rail key on the first connect (at start or on demand), HMAC(rail key, token) on a
+   rejoin, where token is the random value the acceptor sent in the verdict of that pair's
+   first connection on that rail (it never goes through the store). Each side checks the other's proof; a socket
    becomes a Connection only after the verdict, so no frame is taken from a peer that has not
    proven K, and a recorded handshake replayed later fails on the new Na / Nd. An accepted
    connection whose handshake is wrong, late (HELLO_TIMEOUT for all of it), too large
@@ -653,7 +653,8 @@ class _Rejoins:
     def admit(self, rail: int, s, peer: int, lazy: bool = False) -> None:
         rdv = self.rdv
         if not lazy:
-            rdv._install(s, peer, rail, "accepted", greet=lambda: rdv._say(s, rail, {"ok": True}))
+            rdv._install(s, peer, rail, "accepted",
+                         greet=lambda: rdv._say(s, rail, {"ok": True}))
             return
         self._claim(peer, rail)
         try:

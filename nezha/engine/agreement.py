@@ -8,8 +8,9 @@ neighbours only (and to the peers it has exchanged data with, rendezvous.py), so
 goes to every peer the reporter is connected to and each rank that learns something new
 from it relays it to its ring neighbours (``_relay``): it goes round the ring both ways, so
 one failed link (or a whole unreachable neighbour) does not stop it, and the per-sender
-sequence number, which already drops an overtaken report, ends the relaying. The watchdog's "do my bytes still arrive?"
-question and its answer (health.py) travel as CONTROL frames too.
+sequence number, which already drops an overtaken report, ends the relaying. The
+watchdog's "do my bytes still arrive?" question and its answer (health.py) travel as CONTROL
+frames too (to the peer of the connection in question: always a connected one).
 """
 from __future__ import annotations
 

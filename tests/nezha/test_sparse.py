@@ -68,7 +68,7 @@ def test_a_rail_failing_mid_allreduce_is_agreed_by_every_rank(tmp_path):
     res = run_ranks(sparsefns.rail_fails, WORLD, timeout=120, events=str(tmp_path / "ev"))
     for r, (ok, v) in res.items():
         assert ok, (r, v)
-        bad, moved, names = v
+        bad, _moved, names = v
         assert bad == [], (r, bad)
         # the non-neighbours of ranks 0 and 1 heard it through the ring's relays
         assert names.count("rail_agreed") >= 2, (r, names)   # down, and up after the rejoin
