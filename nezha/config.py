@@ -44,6 +44,8 @@ NEZHA_HEDGE                 flag     1               0: never copy a late share 
 NEZHA_SHARES                list     (equal)         stripe: the split pinned, one proportion per
                                                      rail (3,1: 75 % / 25 %)
 NEZHA_TRACE                 flag     off             any non-empty value: tx / rx event per chunk
+NEZHA_CONNECT               str      ring            ring: connect ring neighbours at start, other
+                                                     peers on first use; full: every pair
 NEZHA_SIZE                  size     16M             worker: bytes per allreduce (16M, 4096...)
 NEZHA_ITERATIONS            int      10 [#]_         worker: timed iterations
 NEZHA_DURATION              float    (none)          worker: s to run (with ITERATIONS: both)
@@ -97,6 +99,12 @@ class _Env:
         v = self._typed(name, float, "a number", default)
         if v is not None and not math.isfinite(v):
             raise ConfigError(f"{name}={self.str(name)!r} is not a finite number")
+        return v
+
+    def choice(self, name: str, allowed: tuple[str, ...], default: str) -> str:
+        v = self.str(name, default)
+        if v not in allowed:
+            raise ConfigError(f"{name}={v!r} is not one of {', '.join(allowed)}")
         return v
 
     def shares(self, name: str) -> Optional[tuple[float, ...]]:
@@ -162,6 +170,7 @@ class Config:
     debug_samples: bool = False
     hedge: bool = True
     trace: bool = False
+    connect: str = "ring"             # ring | full (rendezvous.py)
     shares: Optional[tuple[float, ...]] = None   # stripe: pinned proportions per rail
     aggregators: tuple[tuple[str, str, int], ...] = ()   # (rail, address, port) per switch
 
@@ -193,6 +202,7 @@ class Config:
             debug_samples=e.str("NEZHA_DEBUG_SAMPLES") is not None,
             hedge=e.str("NEZHA_HEDGE", "1") != "0",
             trace=e.str("NEZHA_TRACE") is not None,
+            connect=e.choice("NEZHA_CONNECT", ("ring", "full"), d.connect),
             shares=e.shares("NEZHA_SHARES"),
             aggregators=e.aggregators("NEZHA_AGGREGATORS"),
         )

@@ -128,7 +128,8 @@ class Context:
         me = Member(self.rank, self.world_size, self.nrails, self.system,
                     tuple(self.rail_addrs), self.timeout)
         self._rdv = rdv = Rendezvous(me, self._transport, self._engine, self.events,
-                                     secret=self._config.job_secret)
+                                     secret=self._config.job_secret,
+                                     connect=self._config.connect)
         endpoints = self._transport.listen()
         deadline = time.monotonic() + self.timeout
         rdv.open_store(store, master, serve_store, self._config)
@@ -266,6 +267,12 @@ class Context:
         s["a"] = self.balancer.rs.a
         s["b"] = self.balancer.rs.b
         s["shares"] = self.balancer.rs.shares()
+        # connections held, per peer (NEZHA_CONNECT=ring: the ring neighbours and the peers
+        # reached on demand, rendezvous.py)
+        conns: dict = {}
+        for p, _ in list(self._engine.conns):
+            conns[p] = conns.get(p, 0) + 1
+        s["connections"] = dict(sorted(conns.items()))
         if self._hybrid is not None:
             s["hybrid"] = self._hybrid.stats()
         return s

@@ -5,19 +5,27 @@
    store.py), every rank claims its rank (a second claim aborts the job), rank 0 draws a
    random session token, and every rank publishes its listening endpoints and checks that all
    agree on world size, rail count and system. The rail key is HMAC(secret, session, group).
-2. Connect (``Rendezvous.connect``): every rank dials the lower ranks on every rail and
-   accepts the higher ones. Every connection starts with this handshake (wire.py's HELLO and
-   AUTH frames; auth.py)::
+2. Connect (``Rendezvous.connect``): every rank dials its lower *start peers* on every rail
+   and accepts the higher ones. The start peers are the ring neighbours r-1 and r+1 (every
+   collective's data goes round the ring, and the control plane is relayed round it,
+   engine/agreement.py), or every rank with NEZHA_CONNECT=full or up to FULL_MESH_MAX ranks:
+   a full mesh of 64 ranks x 2 rails held 126 connections (252 threads) per rank, and on a
+   2-core host idle ones missed heartbeats. Any other pair connects *on demand*
+   (``Rendezvous.reach``, called by the engine before the first message to a peer it has no
+   connection to), with the same handshake and key as a first connection (HELLO "lazy"):
+   either side may dial; when both do at once the higher rank wins (it refuses the lower
+   rank's dial, ``CROSSING``, and the lower rank waits for its connection). Every connection
+   starts with this handshake (wire.py's HELLO and AUTH frames; auth.py)::
 
-       dialler  -> acceptor  HELLO {rank, rail, world, nonce Nd, auth, rejoin}
+       dialler  -> acceptor  HELLO {rank, rail, world, nonce Nd, auth, rejoin, lazy}
        acceptor -> dialler   AUTH  {nonce Na, proof HMAC(K, "acceptor", T), auth}
        dialler  -> acceptor  AUTH  {proof HMAC(K, "dialler", T)}
        acceptor -> dialler   AUTH  {ok: true, token} | {ok: false, reason}
 
    T = (dialler rank, acceptor rank, rail, world size, Nd, Na), Nd and Na 32 fresh random bytes;
-   K = the rail key on the first connect, HMAC(rail key, token) on a rejoin, where token is
-   the random value the acceptor sent in the verdict of that pair's first connection on that
-   rail (it never goes through the store). Each side checks the other's proof; a socket
+   K = the rail key on the first connect (at start or on demand), HMAC(rail key, token) on a
+   rejoin, where token is the random value the acceptor sent in the verdict of that pair's
+   first connection on that rail (it never goes through the store). Each side checks the other's proof; a socket
    becomes a Connection only after the verdict, so no frame is taken from a peer that has not
    proven K, and a recorded handshake replayed later fails on the new Na / Nd. An accepted
    connection whose handshake is wrong, late (HELLO_TIMEOUT for all of it), too large
@@ -58,6 +66,8 @@ REJOIN_TIMEOUT = 2.5      # s the dialler of a rejoin waits for the handshake
 REJOIN_ACCEPT = 3.0       # s the acceptor of a rejoin gives it
 REJOIN_WAIT = 1.0         # s an unauthenticated rejoin waits for the old connection to fail
 MAX_HELLO = 4 << 10       # bytes of HELLO / AUTH body accepted
+FULL_MESH_MAX = 4         # up to this many ranks the ring neighbours are every peer anyway
+CROSSING = "crossing dials: the higher rank's connection is kept"
 
 _ACCEPTOR, _DIALLER = b"nezha-rail-acceptor", b"nezha-rail-dialler"
 _T = struct.Struct("!IIII")
@@ -151,12 +161,22 @@ def _left(deadline: float, least: float = 0.0) -> float:
     return max(least, deadline - time.monotonic())
 
 
+def start_peers(rank: int, world: int, mode: str = "ring") -> set[int]:
+    """The peers connected at start: the ring neighbours (``mode`` "ring"), or every rank
+    ("full", or a world of at most FULL_MESH_MAX where the two are the same)."""
+    if mode == "full" or world <= FULL_MESH_MAX:
+        return set(range(world)) - {rank}
+    return {(rank - 1) % world, (rank + 1) % world}
+
+
 class Rendezvous:
     """One rank's side of meeting and connecting (see the module docstring). ``secret``: the
     job secret (None: unauthenticated, said once in the log and the event log)."""
 
-    def __init__(self, me: Member, transport, engine, events, secret=None):
+    def __init__(self, me: Member, transport, engine, events, secret=None,
+                 connect: str = "ring"):
         self.me, self.transport, self.engine, self.events = me, transport, engine, events
+        self.peers = start_peers(me.rank, me.world_size, connect)
         self.secret = auth.secret_bytes(secret)
         self.store: Optional[StoreClient] = None
         self.server: Optional[StoreServer] = None   # ours if we serve the store
@@ -169,6 +189,11 @@ class Rendezvous:
         self.max_handshakes = 4 * me.world_size * max(1, me.nrails) + 16
         self._handshakes = 0
         self._hs_lock = threading.Lock()
+        # connections on demand in progress: (peer, rail) we dial / whose dial we admit
+        self._dialling: set = set()
+        self._accepting: set = set()
+        self._lazy_lock = threading.Lock()
+        self._peer_locks: dict = {}
         if not self.secret:
             auth.warn(events, f"rank {me.rank}")
 
@@ -260,8 +285,8 @@ class Rendezvous:
 
     # ------------------------------------------------------------------ 2. connect
     def connect(self, deadline: float) -> None:
-        """Dial the lower ranks, accept the higher ones (every rail), hand the sockets to the
-        engine as Connections, then keep accepting rejoins."""
+        """Dial the lower start peers, accept the higher ones (every rail), hand the sockets to
+        the engine as Connections, then keep accepting rejoins and connections on demand."""
         me = self.me
         admission = _Admission(self, deadline)
         threads = [threading.Thread(target=admission.accept_loop, args=(r, ls), daemon=True)
@@ -269,7 +294,7 @@ class Rendezvous:
         for t in threads:
             t.start()
         try:
-            for p in range(me.rank):
+            for p in sorted(q for q in self.peers if q < me.rank):
                 for r in range(me.nrails):
                     admission.socks[(p, r)] = self._dial(p, r, deadline)
         finally:
@@ -281,6 +306,7 @@ class Rendezvous:
             eng.conns[(p, r)] = Connection(s, p, r, eng)
         for c in eng.conns.values():
             c.start()
+        eng.reach_peer = self.reach
         # listeners stay open: a failed rail's higher rank reconnects through them
         rejoins = _Rejoins(self)
         for r, ls in enumerate(self.transport.listeners):
@@ -329,13 +355,13 @@ class Rendezvous:
         s.settimeout(None)
 
     def _dial_handshake(self, s, peer: int, rail: int, key: bytes, rejoin: bool,
-                        deadline: float) -> dict:
+                        deadline: float, lazy: bool = False) -> dict:
         """The dialler's side; returns the acceptor's verdict {"ok": true, ...}. Raises
         AuthenticationError (no proof, secret on one side only), _Refused, or a socket error."""
         me, mine = self.me, bool(self.secret)
         nd = auth.nonce()
         hello = {"rank": me.rank, "rail": rail, "world": me.world_size, "nonce": nd.hex(),
-                 "auth": mine, "rejoin": rejoin}
+                 "auth": mine, "rejoin": rejoin, "lazy": lazy}
         s.settimeout(max(0.01, deadline - time.monotonic()))
         send_vec(s, [wire.frame(wire.HELLO, json.dumps(hello).encode(), rail=rail, src=me.rank)])
         _, m = _read_frame(s, wire.AUTH, peer, deadline, f"the challenge of rank {peer}")
@@ -359,8 +385,8 @@ class Rendezvous:
         """Run the acceptor's side of the handshake of an accepted connection in a thread of
         its own (a peer that sends half a HELLO and holds the socket must not keep the real
         ranks waiting at accept()), at most ``max_handshakes`` at once. ``gate`` says which
-        key a dialler must prove (``key(peer, rail, rejoin)``) and takes the proven socket
-        (``admit(rail, s, peer)``); either raises to refuse it."""
+        key a dialler must prove (``key(peer, rail, rejoin, lazy)``) and takes the proven
+        socket (``admit(rail, s, peer, lazy)``); either raises to refuse it."""
         with self._hs_lock:
             busy = self._handshakes >= self.max_handshakes
             if not busy:
@@ -374,7 +400,10 @@ class Rendezvous:
             try:
                 self._accept_handshake(rail, s, gate, time.monotonic() + timeout)
             except (OSError, ValueError, KeyError, TypeError, NezhaError, ConnectionError) as e:
-                self._reject(s, rail, addr, e)
+                if str(e) == CROSSING:      # a member's dial that lost the race: not a stray
+                    s.close()
+                else:
+                    self._reject(s, rail, addr, e)
             finally:
                 with self._hs_lock:
                     self._handshakes -= 1
@@ -394,7 +423,8 @@ class Rendezvous:
             self._refuse(s, rail, why)
             raise AuthenticationError(why)
         try:
-            key = gate.key(peer, rail, m.get("rejoin") is True)
+            lazy = m.get("lazy") is True
+            key = gate.key(peer, rail, m.get("rejoin") is True, lazy)
         except ConnectionError as e:
             self._refuse(s, rail, str(e))
             raise
@@ -410,7 +440,7 @@ class Rendezvous:
         self.transport.tune(s)
         s.settimeout(None)
         try:
-            gate.admit(rail, s, peer)
+            gate.admit(rail, s, peer, lazy)
         except ConnectionError as e:
             self._refuse(s, rail, str(e))
             raise
@@ -438,10 +468,11 @@ class Rendezvous:
             raise ConnectionError(f"no first connection with rank {peer} on rail {rail}")
         return auth.mac(self.rail_key, b"nezha-rejoin", token)
 
-    def _install(self, sock, peer, rail, how, greet=None) -> bool:
+    def _install(self, sock, peer, rail, how, greet=None, lazy: bool = False) -> bool:
         """Make ``sock`` the engine's connection to ``peer`` on ``rail``. ``greet`` (the
         acceptor's verdict) is sent first, so it precedes every frame of the Connection.
-        Without a job secret a live connection is never replaced (ConnectionError)."""
+        Without a job secret a live connection is never replaced (ConnectionError). A
+        connection on demand (``lazy``) is a first one: no rail comes back, nothing to report."""
         eng = self.engine
         conn = Connection(sock, peer, rail, eng)
         with eng.cond:
@@ -467,6 +498,9 @@ class Rendezvous:
             with eng.cond:
                 eng.dead.discard((peer, rail))
         conn.start()
+        if lazy:
+            self.events.emit("peer_connected", peer=peer, rail=rail, how=how)
+            return True
         self.events.emit("rail_up", peer=peer, rail=rail, how=how)
         eng.rail_restored(peer, rail)
         eng.report_rail("up", rail, peer)
@@ -482,6 +516,73 @@ class Rendezvous:
             except OSError:
                 return
             self.start_handshake(rail, s, addr, gate, REJOIN_ACCEPT)
+
+    # ------------------------------------------------------------------ 4. on demand
+    def reach(self, peer: int) -> None:
+        """Connect to ``peer`` on every rail it has no connection on yet (the engine's first
+        message to a peer that is not a start peer). Returns once at least one rail is up;
+        raises RendezvousError (or AuthenticationError) when none came up by the timeout."""
+        with self._lazy_lock:
+            lock = self._peer_locks.setdefault(peer, threading.Lock())
+        with lock:
+            eng = self.engine
+            deadline = time.monotonic() + self.me.timeout
+            errors = []
+            for rail in range(self.me.nrails):
+                if (peer, rail) in eng.conns:
+                    continue
+                try:
+                    self._reach_rail(peer, rail, deadline)
+                except AuthenticationError:
+                    raise
+                except (OSError, ConnectionError, ValueError, NezhaError) as e:
+                    errors.append(f"rail {rail}: {type(e).__name__}: {e}")
+            if not any((peer, r) in eng.conns for r in range(self.me.nrails)):
+                raise RendezvousError(f"rank {self.me.rank}: no connection to rank {peer} on "
+                                      f"demand within {self.me.timeout:g} s: {errors}")
+
+    def _reach_rail(self, peer: int, rail: int, deadline: float) -> None:
+        """One rail of ``reach``: dial, or wait while the peer's dial to us is admitted. A
+        dial refused (CROSSING: the higher rank dials us meanwhile) or not answered is tried
+        again until ``deadline``; a failed proof is final."""
+        eng = self.engine
+        dest = self.infos[peer]["rails"][rail]
+        last: Optional[BaseException] = None
+        while (peer, rail) not in eng.conns:
+            if eng.closing or eng.error is not None:
+                raise RendezvousError(f"closing while connecting to rank {peer}")
+            if time.monotonic() >= deadline:
+                raise RendezvousError(f"rail {rail}: {type(last).__name__}: {last}")
+            with self._lazy_lock:
+                busy = (peer, rail) in self._accepting or (peer, rail) in eng.conns
+                if not busy:
+                    self._dialling.add((peer, rail))
+            if busy:
+                time.sleep(0.01)
+                continue
+            s = None
+            try:
+                s = self.transport.connect(rail, dest, min(1.0, _left(deadline, 0.1)),
+                                           retry=False)
+                v = self._dial_handshake(s, peer, rail, self.rail_key, False,
+                                         min(deadline, time.monotonic() + HELLO_TIMEOUT),
+                                         lazy=True)
+                self.tokens[(peer, rail)] = _hex(v, "token", auth.NONCE_BYTES)
+                s.settimeout(None)
+                self._install(s, peer, rail, "dialled", lazy=True)
+                return
+            except AuthenticationError:
+                if s is not None:
+                    s.close()
+                raise
+            except (OSError, ConnectionError, ValueError, NezhaError) as e:
+                if s is not None:
+                    s.close()
+                last = e
+                time.sleep(0.01 if isinstance(e, _Refused) and CROSSING in str(e) else 0.05)
+            finally:
+                with self._lazy_lock:
+                    self._dialling.discard((peer, rail))
 
     def refuses(self, peer: int) -> bool:
         """Whether ``peer`` refuses a connection on every rail: its listeners (open for the
@@ -514,22 +615,57 @@ class Rendezvous:
 
 
 class _Rejoins:
-    """The accepting half of a rejoin: a higher rank re-dialling a rail, with the pair's key."""
+    """The accepting half once connected: a higher rank re-dialling a rail, with the pair's
+    key, or any rank's first connection on demand ("lazy"), with the rail key."""
 
     def __init__(self, rdv: Rendezvous):
         self.rdv = rdv
 
-    def key(self, peer: int, rail: int, rejoin: bool) -> bytes:
+    def key(self, peer: int, rail: int, rejoin: bool, lazy: bool = False) -> bytes:
         me = self.rdv.me
+        if lazy and not rejoin:
+            if not 0 <= peer < me.world_size or peer == me.rank:
+                raise ConnectionError(f"rank {peer} is not a peer of rank {me.rank}")
+            self._claim(peer, rail, dry=True)
+            return self.rdv.rail_key
         if not rejoin:
             raise ConnectionError("a first connection after this rank finished connecting")
         if not me.rank < peer < me.world_size:
             raise ConnectionError(f"rank {peer} does not dial rank {me.rank}")
         return self.rdv._rejoin_key(peer, rail)
 
-    def admit(self, rail: int, s, peer: int) -> None:
+    def _claim(self, peer: int, rail: int, dry: bool = False) -> None:
+        """May ``peer``'s dial on demand become our connection on ``rail``? Not over a live
+        one, and not while we dial it too and are the higher rank (CROSSING: ours wins; the
+        lower rank's dial loses wherever the two cross, so exactly one survives)."""
+        rdv, eng = self.rdv, self.rdv.engine
+        with rdv._lazy_lock:
+            c = eng.conns.get((peer, rail))
+            if c is not None and c.alive and (peer, rail) not in eng.dead:
+                raise ConnectionError(f"rank {peer} is already connected on rail {rail}")
+            if (peer, rail) in rdv._accepting:
+                raise ConnectionError(f"second connection from rank {peer} rail {rail}")
+            if (peer, rail) in rdv._dialling and rdv.me.rank > peer:
+                raise ConnectionError(CROSSING)
+            if not dry:
+                rdv._accepting.add((peer, rail))
+
+    def admit(self, rail: int, s, peer: int, lazy: bool = False) -> None:
         rdv = self.rdv
-        rdv._install(s, peer, rail, "accepted", greet=lambda: rdv._say(s, rail, {"ok": True}))
+        if not lazy:
+            rdv._install(s, peer, rail, "accepted",
+                         greet=lambda: rdv._say(s, rail, {"ok": True}))
+            return
+        self._claim(peer, rail)
+        try:
+            token = auth.nonce()
+            rdv.tokens[(peer, rail)] = token
+            rdv._install(s, peer, rail, "accepted",
+                         greet=lambda: rdv._say(s, rail, {"ok": True, "token": token.hex()}),
+                         lazy=True)
+        finally:
+            with rdv._lazy_lock:
+                rdv._accepting.discard((peer, rail))
 
 
 class _Admission:
@@ -539,16 +675,16 @@ class _Admission:
     def __init__(self, rdv: Rendezvous, deadline: float):
         me = rdv.me
         self.rdv, self.deadline = rdv, deadline
-        self.expected = {(p, r) for p in range(me.rank + 1, me.world_size)
-                         for r in range(me.nrails)}
+        self.expected = {(p, r) for p in rdv.peers if p > me.rank for r in range(me.nrails)}
         self.socks: dict = {}
         self.claimed: set = set()      # proven, verdict being sent
         self.errors: list = []
         self.lock = threading.Lock()
 
-    def key(self, peer: int, rail: int, rejoin: bool) -> bytes:
-        if rejoin:
-            raise ConnectionError("a rejoin before this rank finished connecting")
+    def key(self, peer: int, rail: int, rejoin: bool, lazy: bool = False) -> bytes:
+        if rejoin or lazy:
+            raise ConnectionError("a rejoin or connection on demand before this rank "
+                                  "finished connecting")
         if (peer, rail) not in self.expected:
             raise ConnectionError(f"rank {peer} does not dial rank {self.rdv.me.rank} on rail {rail}")
         with self.lock:
@@ -556,7 +692,7 @@ class _Admission:
                 raise ConnectionError(f"second connection from rank {peer} rail {rail}")
         return self.rdv.rail_key
 
-    def admit(self, rail, s, peer):
+    def admit(self, rail, s, peer, lazy: bool = False):
         with self.lock:
             if (peer, rail) in self.socks or (peer, rail) in self.claimed:
                 raise ConnectionError(f"second connection from rank {peer} rail {rail}")

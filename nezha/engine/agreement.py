@@ -3,8 +3,14 @@
 A rank that sees its link to a peer fail (or come back) tells every rank (``report_rail``);
 a rail somebody reports down is used by nobody for data until every report is withdrawn
 (``rail_down_reports``). Reports carry a per-sender sequence number, since they may travel
-on different rails and overtake each other. The watchdog's "do my bytes still arrive?"
-question and its answer (health.py) travel as CONTROL frames too.
+on different rails and overtake each other. A rank holds connections to its ring
+neighbours only (and to the peers it has exchanged data with, rendezvous.py), so a report
+goes to every peer the reporter is connected to and each rank that learns something new
+from it relays it to its ring neighbours (``_relay``): it goes round the ring both ways, so
+one failed link (or a whole unreachable neighbour) does not stop it, and the per-sender
+sequence number, which already drops an overtaken report, ends the relaying. The
+watchdog's "do my bytes still arrive?" question and its answer (health.py) travel as CONTROL
+frames too (to the peer of the connection in question: always a connected one).
 """
 from __future__ import annotations
 
@@ -68,10 +74,22 @@ class Agreement:
             if self.on_acks is not None:
                 self.on_acks(h.src, rail, ident, nbytes)
         else:
-            self._apply_report(kind, rail, h.src, int(m.get("peer", -1)), m.get("op"),
-                               int(m.get("seq", 0)), m.get("conn"))
+            by = int(m.get("by", h.src))
+            if not 0 <= by < self.world:
+                raise ProtocolError(f"CONTROL report of unknown rank {by} from rank {h.src}")
+            if self._apply_report(kind, rail, by, int(m.get("peer", -1)), m.get("op"),
+                                  int(m.get("seq", 0)), m.get("conn")):
+                self._relay(m, h.src)
 
-    def _apply_report(self, kind, rail, reporter, peer, op, seq=0, ident=None):
+    def _relay(self, body: dict, came_from: int) -> None:
+        """Pass a report new to this rank on to its ring neighbours (not back where it came
+        from, nor to its reporter)."""
+        for p in {(self.rank - 1) % self.world, (self.rank + 1) % self.world}:
+            if p not in (self.rank, came_from, body.get("by")):
+                self.send_control(p, body)
+
+    def _apply_report(self, kind, rail, reporter, peer, op, seq=0, ident=None) -> bool:
+        """Apply one report (ours or another rank's); False if it was not new here."""
         if kind == "down" and peer == self.rank and reporter != self.rank:
             # the other end of our connection saw it fail: do not wait for our own detection
             # (only if it is the same TCP connection, not one that has rejoined since)
@@ -81,7 +99,7 @@ class Agreement:
         with self.cond:
             last = self._report_seq.get((reporter, peer, rail), -1)
             if seq <= last:
-                return                      # an older report overtaken by a newer one
+                return False                # seen already, or overtaken by a newer one
             self._report_seq[(reporter, peer, rail)] = seq
             rep = self.rail_down_reports.setdefault(rail, set())
             before = bool(rep)
@@ -96,18 +114,19 @@ class Agreement:
                              by=reporter, peer=peer, op=op)
             if rail < len(self.events.rail_status):
                 self.events.rail_status[rail] = "down" if after else "up"
+        return True
 
     def report_rail(self, kind: str, rail: int, peer: int, conn=None):
-        """Tell every rank (over any working rail) that our link to ``peer`` on ``rail`` went
-        down / came back, and apply it here. Everyone stops / resumes using the rail for data.
-        Reports carry a per-sender sequence number (they may travel on different rails and
+        """Tell every rank (over any working rail; the ones this rank is not connected to
+        through the ring's relays) that our link to ``peer`` on ``rail`` went down / came
+        back, and apply it here. Everyone stops / resumes using the rail for data. Reports
+        carry a per-sender sequence number (they may travel on different rails and paths and
         overtake each other) and the TCP ports of the connection concerned."""
         with self.cond:
             self._my_seq += 1
             seq = self._my_seq
         body = {"what": kind, "rail": rail, "peer": peer, "op": self.op_seq, "seq": seq,
-                "conn": list(conn.ident) if conn is not None else None}
-        for p in range(self.world):
-            if p != self.rank:
-                self.send_control(p, body)
+                "conn": list(conn.ident) if conn is not None else None, "by": self.rank}
+        for p in sorted({p for p, _ in list(self.conns)} - {self.rank}):
+            self.send_control(p, body)
         self._apply_report(kind, rail, self.rank, peer, self.op_seq, seq)

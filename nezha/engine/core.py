@@ -54,6 +54,8 @@ class Engine(Receiving, Sending, Agreement, Failover, Hedging):
         self.on_arrivals = None   # health.Health's answer handler (rank, rail, id, bytes)
         self.on_acks_question = None   # health.Health: (rank, rail, window) -> 1 moving / 0
         self.on_acks = None            # health.Health's handler of that answer
+        # rendezvous.Rendezvous.reach: connects a peer that is not a start peer on first use
+        self.reach_peer = None
         self.costs = ShareCosts(nrails)   # per-rail share times of the current op (costs.py)
 
     def live_rails(self, peer, data: bool = True) -> list[int]:
@@ -61,6 +63,22 @@ class Engine(Receiving, Sending, Agreement, Failover, Hedging):
         return [r for r in range(self.nrails)
                 if (peer, r) in self.conns and (peer, r) not in self.dead
                 and not (data and self.rail_down_reports.get(r))]
+
+    def reach(self, peer: int) -> None:
+        """Before a message to ``peer``: connect to it if this rank never was (only the ring
+        neighbours are connected at start, rendezvous.py). Failing that fails the job, as a
+        lost connection would: the peer waits for this message."""
+        if self.reach_peer is None or peer == self.rank:
+            return
+        if any((peer, r) in self.conns for r in range(self.nrails)):
+            return
+        if self.error is not None:
+            raise self.error
+        try:
+            self.reach_peer(peer)
+        except Exception as e:
+            self.fatal(e)
+            raise
 
     # ------------------------------------------------------------------ ops
     def begin_op(self) -> int:

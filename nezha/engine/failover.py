@@ -1,6 +1,7 @@
 """Failover in the engine: a connection that fails moves its unacknowledged chunks to the
 surviving rails to the same peer (receivers accept a chunk from any rail and ignore repeats),
-tells every rank (agreement.py), and fails the communicator only on a protocol violation.
+tells every rank (agreement.py: directly or through the ring's relays), and fails the
+communicator only on a protocol violation.
 
 When the last rail to a peer fails, the peer is *unreachable*, not lost: its chunks are parked
 (unsent, unacknowledged) and the health thread keeps re-dialling; the first rail that comes

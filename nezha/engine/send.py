@@ -44,6 +44,7 @@ class Sending:
 
     def send(self, dst, op_id, step, view, desc: Desc, elem=1) -> SendMsg:
         """Send message (op_id, step) to ``dst``, split over the rails in units of ``elem``."""
+        self.reach(dst)
         key = (op_id, step, dst)
         msg = SendMsg(key, dst, view, desc)
         msg.t_queued = time.monotonic()
