@@ -46,7 +46,6 @@ def test_bad_frames_from_a_peer(what):
     t0 = time.monotonic()
     res = run_ranks(rankfns.inject, 3, timeout=TIMEOUT * 3, what=what, victim=0, attacker=1)
     all_failed(res)
-    msg = res[0][1].message
     if what == "overflow":     # well-formed header, but not a chunk of anything posted
         assert res[0][1].isa("ProtocolError") or res[0][1].isa("MismatchError"), res[0][1]
     else:

@@ -3,7 +3,6 @@ in a thread of this process) and the TCP ring, ranks in processes of their own."
 from __future__ import annotations
 
 import asyncio
-import os
 import threading
 import time
 
@@ -11,7 +10,7 @@ import numpy as np
 import pytest
 
 from nezha import auth
-from nezha.protocols import (AGG_BYTES, AGG_RTT, AGG_S, COLD, HOT, MIN_SHARE, OK,
+from nezha.protocols import (AGG_BYTES, AGG_RTT, AGG_S, COLD, HOT, OK,
                              REACHABLE, RING_BYTES, RING_S, ROW_COLUMNS, HybridState,
                              clamp_share, cold_fraction, hot_bytes)
 from nezha.testing import run_ranks
