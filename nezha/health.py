@@ -76,8 +76,10 @@ LIVENESS_EVERY = 0.2       # s between "does its process still listen?" checks o
 RTO_FACTOR = 1.25
 TICK = 0.01
 IDLE_EVERY = 5           # ticks between looks at an idle connection (Health.run)
-RX_FACTOR = 2.0          # the receiver's silence limit, in the sender watchdog's limits
-PROBE_EARLY = 0.5        # of the watchdog's limit: path probes start, so their verdict is in
+RX_FACTOR = 2.0          # the receiver's silence limit, in the sender watchdog's limits...
+RX_FLOOR = 0.1           # ...and at least this (s)
+Q_ARRIVALS, Q_ACKS = 1, 2   # the questions that also go as datagrams (pathprobe.question)
+PROBE_EARLY = 0.3        # of the watchdog's limit: path probes start, so their verdict is in
 
 
 class TcpInfo(NamedTuple):
@@ -147,6 +149,9 @@ class Health:
         self.link_thread = None
         self._check_seq = 0
         self.eng.on_arrivals = self.on_arrivals
+        self._answers = threading.Lock()
+        if prober is not None:
+            prober.on_question, prober.on_answer = self._udp_question, self._udp_answer
         self.eng.on_acks_question = self.on_acks_question
         self.eng.on_acks = self.on_acks
 
@@ -318,13 +323,38 @@ class Health:
         self.eng.send_control(conn.peer, {"what": "arrivals?", "rail": conn.rail,
                                           "id": conn.check_id, "window": window},
                               avoid=conn.rail)
+        self._ask_udp(conn, Q_ARRIVALS, window, conn.check_id)
+
+    def _ask_udp(self, conn, what: int, window: float, ident: int) -> None:
+        """The same question as a datagram on another rail too (pathprobe.question)."""
+        ref = self._ref_rail(conn) if self.prober is not None else None
+        if ref is not None:
+            self.prober.question(conn.peer, ref, what, conn.rail, window, ident)
+
+    def _udp_question(self, what: int, peer: int, rail: int, window: float) -> int:
+        window = min(max(window, 0.0), 5.0)
+        if what == Q_ACKS:
+            return self.on_acks_question(peer, rail, window)
+        c = self.eng.conns.get((peer, rail))
+        return c.arrived_within(window) if c is not None and c.alive else 0
+
+    def _udp_answer(self, what: int, peer: int, rail: int, ident: int, value: int) -> None:
+        (self.on_acks if what == Q_ACKS else self.on_arrivals)(peer, rail, ident, value)
+
+    def _take(self, conn, attr: str, ident: int) -> bool:
+        """Clear a pending question if ``ident`` answers it; False if it was answered already
+        (the TCP and the datagram answers race)."""
+        with self._answers:
+            if conn is None or getattr(conn, attr) != ident or not conn.alive:
+                return False
+            setattr(conn, attr, None)
+            return True
 
     def on_arrivals(self, peer: int, rail: int, ident: int, nbytes: int) -> None:
         """The peer's answer to check(): bytes that reached it on this rail in the window."""
         conn = self.eng.conns.get((peer, rail))
-        if conn is None or conn.check_id != ident or not conn.alive:
+        if not self._take(conn, "check_id", ident):
             return
-        conn.check_id = None
         if nbytes > 0:                       # slow, not dead: watch it afresh
             now = time.monotonic()
             conn.tcp_moved = conn.last_ack = conn.check_ok_t = now
@@ -341,7 +371,7 @@ class Health:
         if self.prober is None or not self.prober.available(conn.rail):
             self.suspect(conn, why)
             return
-        conn.dead_why = why
+        conn.dead_why, conn.dead_t = why, now
         self._probe(conn, now)
         self._judge(conn, now)
 
@@ -367,6 +397,12 @@ class Health:
         verdict = self.prober.verdict(conn.peer, conn.rail, now, self._ref_rail(conn),
                                       self._probe_timeout(conn))
         if verdict is None:
+            if conn.peer not in self.prober.heard and now - conn.dead_t > self.check_timeout:
+                # this peer never answered a probe (UDP filtered on the way?): the evidence
+                # alone decides, as it did before there were probes
+                why, conn.dead_why = conn.dead_why, ""
+                self.suspect(conn, why + "; no path probe was ever answered by this peer")
+                return True
             self._probe(conn, now)       # a no-op while a burst is under way
             return False
         why, conn.dead_why = conn.dead_why, ""
@@ -401,10 +437,11 @@ class Health:
                           f"{self.check_timeout * 1e3:.0f} ms whether its ACKs arrive", now)
                 return not conn.alive
             return False
-        # twice the sender's limit: the sender's watchdog is the first line, and a rail whose
-        # rate was just cut (its 64 KiB segments now take tens of ms each) is quiet for one
-        # segment's time before any estimate has caught up
-        floor = RX_FACTOR * self.stall_limit(conn.rail)
+        # the sender's watchdog is the first line (it sees TCP's own progress); this one
+        # catches what it cannot (a sender whose data never reaches its socket), later: a
+        # rail whose rate was just cut tenfold is quiet for two or three of its 64 KiB
+        # segments (26 ms each at 20 Mbit/s), before any estimate or RTT has caught up
+        floor = max(RX_FLOOR, RX_FACTOR * self.stall_limit(conn.rail))
         quiet = now - max(conn.last_rx, conn.rx_ok_t)
         if self.prober is None or quiet < floor or conn.dead_why:
             return False
@@ -425,27 +462,30 @@ class Health:
         self.eng.send_control(conn.peer, {"what": "acks?", "rail": conn.rail,
                                           "id": conn.rx_check_id, "window": quiet},
                               avoid=conn.rail)
+        self._ask_udp(conn, Q_ACKS, quiet, conn.rx_check_id)
         return False
 
     def on_acks_question(self, peer: int, rail: int, window: float) -> int:
-        """The peer hears nothing from us on ``rail``: 1 if our TCP got an ACK on it within
-        ``window`` s or has nothing in flight (the path is not what keeps it quiet), else 0."""
+        """The peer hears nothing from us on ``rail``: 1 if the path is not what keeps it
+        quiet (nothing of ours is out on it, or an ACK came back within ``window`` s), else
+        0. TCP's ACKs count while it has segments in flight, within two smoothed RTTs too (a
+        slowed rail's queue holds them back that long; a black hole leaves the RTT where it
+        was); with chunks out but nothing in flight (the writer cannot write), our own ACKs."""
         conn = self.eng.conns.get((peer, rail))
         if conn is None or not conn.alive:
             return 0
+        if conn.unacked == 0:
+            return 1
         ti = tcp_info(conn.sock) if conn.tcp_info_ok else None
-        if ti is None:
-            return 1 if time.monotonic() - conn.last_ack < window else 0
-        # an ACK within the window, or within two of its round trips (a slowed rail's queue
-        # holds ACKs back that long; a black hole leaves the smoothed RTT where it was)
-        return 1 if ti.unacked == 0 or ti.last_ack < max(window, 2 * ti.rtt) else 0
+        if ti is not None and ti.unacked > 0:
+            return 1 if ti.last_ack < max(window, 2 * ti.rtt) else 0
+        return 1 if time.monotonic() - conn.last_ack < window else 0
 
     def on_acks(self, peer: int, rail: int, ident: int, moving: int) -> None:
         """The peer's answer to ``_silent``'s question."""
         conn = self.eng.conns.get((peer, rail))
-        if conn is None or conn.rx_check_id != ident or not conn.alive:
+        if not self._take(conn, "rx_check_id", ident):
             return
-        conn.rx_check_id = None
         now = time.monotonic()
         if moving:
             conn.rx_ok_t = now                   # slow, not dead: quiet is measured afresh

@@ -201,6 +201,7 @@ class Connection:
         self.check_why = ""
         self.check_ok_t = -1e9    # when the peer last said our bytes still arrive
         self.dead_why = ""        # evidence of a dead rail waiting for the path probes' verdict
+        self.dead_t = 0.0         # ...since then
         self.rx_ok_t = -1e9       # when this rail, silent, was last found alive
         self.rx_check_id = None   # a pending "do your ACKs still arrive?" question (receiver)
         self.rx_check_t = 0.0

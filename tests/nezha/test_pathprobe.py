@@ -142,3 +142,48 @@ def test_a_rail_without_a_socket_has_no_probe():
         p.close()
     finally:
         taken.close()
+
+
+def test_a_peer_never_heard_is_remembered_apart(pair):
+    """``heard`` holds the peers that ever answered: health.py judges a peer that never did
+    (UDP filtered on the way) on its other evidence alone."""
+    a, _, holes, _ = pair
+    holes.update({(0, 0), (0, 1)})
+    a.ask(1, 0, time.monotonic(), ref=1)
+    _wait_verdict(a, 1, 0, ref=1, limit=0.1)
+    assert 1 not in a.heard
+    holes.clear()
+    a.forget(1, 0)
+    a.ask(1, 0, time.monotonic())
+    assert _wait_verdict(a, 1, 0) is True
+    assert 1 in a.heard
+
+
+def test_a_question_about_another_rail_is_answered_as_a_datagram(pair):
+    """health.py's 'arrivals?' also goes as a datagram on a rail whose TCP socket holds
+    megabytes: the peer's answer comes back on the same rail, with the asker's id."""
+    a, b, _, _ = pair
+    got = []
+    b.on_question = lambda what, peer, rail, window: 1234 if (what, peer, rail) == (1, 0, 1) \
+        and abs(window - 0.05) < 1e-6 else 0
+    a.on_answer = lambda *answer: got.append(answer)
+    a.question(1, 0, 1, 1, 0.05, 77)
+    deadline = time.monotonic() + 1.0
+    while not got and time.monotonic() < deadline:
+        time.sleep(0.002)
+    assert got == [(1, 1, 1, 77, 1234)]
+
+
+def test_a_stranger_gets_no_answer_to_a_question(pair):
+    _, b, _, eps = pair
+    asked = []
+    b.on_question = lambda *q: asked.append(q) or 1
+    stranger = PathProber(0, [("127.0.0.1", p) for p in _ports(2)], b"x" * 32,
+                          lambda peer, r: eps[peer][r])
+    stranger.start()
+    try:
+        stranger.question(1, 0, 1, 1, 0.05, 5)
+        time.sleep(0.1)
+        assert asked == []
+    finally:
+        stranger.close()
