@@ -14,7 +14,7 @@ def test_defaults_without_environment():
     assert (c.timeout, c.system, c.notsent_lowat, c.staging_limit, c.pipe_block) == (
         30.0, "nezha", 256 << 10, 1 << 30, 2 << 20)
     assert (c.watchdog_ms, c.check_timeout_ms, c.heartbeat_ms, c.heartbeat_timeout_ms) == (
-        60.0, 100.0, 250.0, 1500.0)
+        20.0, 100.0, 250.0, 1500.0)
     assert c.link_events and not (c.log_ops or c.store_external or c.debug_samples or c.trace)
     assert c.hedge               # late shares are copied unless NEZHA_HEDGE=0
     assert c.rank is None and c.sockbuf is None and c.tcp_user_timeout_ms is None
