@@ -209,6 +209,10 @@ class Health:
                 if conn.unacked == 0 and conn.rx_all == conn.rx_seen and tick % IDLE_EVERY \
                         and peer not in expecting and not conn.dead_why:
                     continue
+                if conn.rx_all != conn.rx_seen:
+                    # bytes of a frame still coming in (a 512 KiB chunk over a rail at 30 %
+                    # loss takes seconds): received, though no header was read meanwhile
+                    conn.last_rx = max(conn.last_rx, now)
                 conn.rx_seen = conn.rx_all
                 conn.arrivals.append((now, conn.arrived()))
                 if conn.dead_why and self._judge(conn, now):

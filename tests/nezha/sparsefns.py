@@ -23,6 +23,18 @@ def peers_of(ctx) -> dict:
     return out
 
 
+def settled(ctx, quiet: float = 0.2, limit: float = 5.0) -> dict:
+    """peers_of(ctx) once it has not changed for ``quiet`` s (at most ``limit`` s)."""
+    last, since = peers_of(ctx), time.monotonic()
+    deadline = since + limit
+    while time.monotonic() < deadline and time.monotonic() - since < quiet:
+        time.sleep(0.01)
+        now = peers_of(ctx)
+        if now != last:
+            last, since = now, time.monotonic()
+    return last
+
+
 def idents(ctx) -> dict:
     """(peer, rail) -> the connection's (local port, remote port), to match both ends."""
     return {f"{p},{r}": list(c.ident) for (p, r), c in list(ctx._engine.conns.items())}
@@ -44,7 +56,9 @@ def on_demand(rank, world, port, connect="ring", count=1001):
         b = data(0, 9, count, "int64") if rank == 0 else np.zeros(count, "int64")
         ctx.broadcast(b, root=0)
         ok &= bool(np.array_equal(b, data(0, 9, count, "int64")))
-        out["star"] = peers_of(ctx)
+        # rank 0 dialled each rail before it sent, but our end installs what it accepts on
+        # the acceptor's thread: the rail the broadcast did not use may land a moment later
+        out["star"] = settled(ctx)
         big = 1 << 18   # 1 MiB of float32: a pipelined chain
         c = data(2, 3, big, "float32") if rank == 2 else np.zeros(big, "float32")
         ctx.broadcast(c, root=2)
