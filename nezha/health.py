@@ -51,8 +51,8 @@ a second of a rail's return; and every LIVENESS_EVERY the peer's listeners are d
 (``refuses``, rendezvous.Rendezvous.refuses): when every rail refuses the connection, the
 peer's process is gone and the job fails at once with PeerClosedError, instead of waiting
 out the collective's timeout as it must for a path that is merely broken.
-Events: rail_check, rail_alive, rail_suspected, rail_down, rerouted, rail_agreed, probe, rail_up,
-peer_unreachable, peer_reachable.
+Events: rail_check, rail_alive, probe_verdict, rail_suspected, rail_down, rerouted, rail_agreed,
+probe, rail_up, peer_unreachable, peer_reachable.
 """
 from __future__ import annotations
 
@@ -92,6 +92,11 @@ class TcpInfo(NamedTuple):
     cwnd: int
     retrans: int         # total retransmitted segments
     backoff: int         # RTO back-off count
+
+    @property
+    def rto_base(self) -> float:
+        """The RTO before back-off (each back-off doubles it)."""
+        return self.rto / (1 << min(self.backoff, 16))
 
     def for_log(self) -> dict:
         return {"rto_ms": self.rto * 1e3, "rtt_ms": self.rtt * 1e3, "cwnd": self.cwnd,
@@ -245,7 +250,7 @@ class Health:
                 conn.tcp_delivered = ti.delivered
                 conn.tcp_moved = now
                 # before back-off: our own small frames (ACKs) may be what backs it off
-                conn.tcp_rto = ti.rto / (1 << min(ti.backoff, 16))
+                conn.tcp_rto = ti.rto_base
             since = max(conn.tcp_moved, conn.busy_since)
             # one lost segment costs TCP a retransmission timeout: not a fault.
             # The RTO as it was when delivery last moved: during a black hole
@@ -336,11 +341,9 @@ class Health:
             self.prober.question(conn.peer, ref, what, conn.rail, window, ident)
 
     def _udp_question(self, what: int, peer: int, rail: int, window: float) -> int:
-        window = min(max(window, 0.0), 5.0)
         if what == Q_ACKS:
-            return self.on_acks_question(peer, rail, window)
-        c = self.eng.conns.get((peer, rail))
-        return c.arrived_within(window) if c is not None and c.alive else 0
+            return self.on_acks_question(peer, rail, min(max(window, 0.0), 5.0))
+        return self.eng.arrivals_within(peer, rail, window)
 
     def _udp_answer(self, what: int, peer: int, rail: int, ident: int, value: int) -> None:
         (self.on_acks if what == Q_ACKS else self.on_arrivals)(peer, rail, ident, value)
@@ -450,7 +453,7 @@ class Health:
         if self.prober is None or quiet < floor or conn.dead_why:
             return False
         ti = tcp_info(conn.sock) if conn.tcp_info_ok else None
-        if ti is not None and quiet < RX_FACTOR * RTO_FACTOR * ti.rto / (1 << min(ti.backoff, 16)):
+        if ti is not None and quiet < RX_FACTOR * RTO_FACTOR * ti.rto_base:
             return False          # quiet for less than this rail's own round trips allow
         since = now - quiet
         sibs = [c for (p, r), c in list(self.eng.conns.items())

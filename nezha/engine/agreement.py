@@ -56,9 +56,8 @@ class Agreement:
         if kind == "arrivals?":
             # the peer's watchdog sees no progress on its connection to us on this rail: tell
             # it how many bytes reached us on it lately (a slow rail: some; a black hole: none)
-            c = self.conns.get((h.src, rail))
-            got = c.arrived_within(min(max(window, 0.0), 5.0)) if c is not None and c.alive else 0
-            self.send_control(h.src, {"what": "arrivals", "rail": rail, "id": ident, "bytes": got},
+            self.send_control(h.src, {"what": "arrivals", "rail": rail, "id": ident,
+                                      "bytes": self.arrivals_within(h.src, rail, window)},
                               avoid=rail)
         elif kind == "arrivals":
             if self.on_arrivals is not None:
@@ -80,6 +79,12 @@ class Agreement:
             if self._apply_report(kind, rail, by, int(m.get("peer", -1)), m.get("op"),
                                   int(m.get("seq", 0)), m.get("conn")):
                 self._relay(m, h.src)
+
+    def arrivals_within(self, peer: int, rail: int, window: float) -> int:
+        """Bytes that reached us from ``peer`` on ``rail`` in the last ``window`` s (at most
+        5 s): the answer to its "arrivals?", as a CONTROL frame or a datagram (health.py)."""
+        c = self.conns.get((peer, rail))
+        return c.arrived_within(min(max(window, 0.0), 5.0)) if c is not None and c.alive else 0
 
     def _relay(self, body: dict, came_from: int) -> None:
         """Pass a report new to this rank on to its ring neighbours (not back where it came
