@@ -78,6 +78,7 @@ TICK = 0.01
 IDLE_EVERY = 5           # ticks between looks at an idle connection (Health.run)
 RX_FACTOR = 2.0          # the receiver's silence limit, in the sender watchdog's limits...
 RX_FLOOR = 0.1           # ...and at least this (s)
+RX_RECHECK = 0.02        # s before a quiet rail that owed nothing is asked about again
 Q_ARRIVALS, Q_ACKS = 1, 2   # the questions that also go as datagrams (pathprobe.question)
 PROBE_EARLY = 0.3        # of the watchdog's limit: path probes start, so their verdict is in
 
@@ -455,10 +456,15 @@ class Health:
         ti = tcp_info(conn.sock) if conn.tcp_info_ok else None
         if ti is not None and quiet < RX_FACTOR * RTO_FACTOR * ti.rto_base:
             return False          # quiet for less than this rail's own round trips allow
+        if now < conn.rx_due_next:
+            return False
         since = now - quiet
         sibs = [c for (p, r), c in list(self.eng.conns.items())
                 if p == conn.peer and r != conn.rail and c.alive and c.last_rx > since]
         if not sibs or not self.eng.share_due(conn.peer, conn.rail):
+            # a rail the split leaves out is quiet for good: recomputing the split of every
+            # pending message for it each tick cost more than all the other checks
+            conn.rx_due_next = now + RX_RECHECK
             return False
         self._check_seq += 1
         conn.rx_check_id, conn.rx_check_t = self._check_seq, now

@@ -53,6 +53,9 @@ def on_demand(rank, world, port, connect="ring", count=1001):
             ctx.allreduce(a)
             ok &= bool(np.array_equal(a, reference(world, it, count, "float32", "sum")))
         out["allreduce"] = peers_of(ctx)
+        # rank 0 dials everyone for the star broadcast as soon as its own allreduce is over,
+        # which may be before ours: nobody goes on before every rank has counted
+        ctx.barrier()
         b = data(0, 9, count, "int64") if rank == 0 else np.zeros(count, "int64")
         ctx.broadcast(b, root=0)
         ok &= bool(np.array_equal(b, data(0, 9, count, "int64")))
