@@ -45,8 +45,10 @@ Cold/hot state machine for the current set of live rails::
 
 COLD split: messages < COLD_SMALL bytes ride the single best rail (lowest agreed a), larger
 ones are split in equal shares. HOT split: the cost model above; messages below MIN_SPLIT
-bytes ride the best rail, and a rail is added only if it saves more than PER_RAIL_OVERHEAD
-seconds (CPU cost of driving one more rail). In HOT each agreed table
+bytes ride the best rail, and a rail is added only if it saves more than the agreed rail
+overhead: the CPU seconds one more rail costs a message (RAIL_CPU_S), stretched by how
+oversubscribed each rank's CPUs are (``rail_overhead``; the median over the ranks). In HOT
+each agreed table
 
   * makes a rail whose last operation shows a change jump to its new cost (RailState._shifts):
     slower on every hop at once, on one hop twice in a row, faster (compared at the same
@@ -66,6 +68,7 @@ moved 3 times in the first 1.1 s and never again in 24 s.
 from __future__ import annotations
 
 import math
+import os
 from collections import deque
 from typing import NamedTuple
 
@@ -93,10 +96,14 @@ PROBE_RATIO = 20.0     # ...as if it cost this many times the best rail per byte
 HYSTERESIS = 0.01
 COLD_SMALL = 64 << 10
 MIN_SPLIT = 32 << 10
-PER_RAIL_OVERHEAD = 50e-6
+# CPU seconds one rank spends per rail per message (its frame out and that frame's ACK in,
+# the neighbour's frame in and its ACK out; thread wake-ups included): 5 ranks on loopback
+# used 150 us more per rail and ring step with 14 rails than with 1 (nezha.bench, stripe)
+RAIL_CPU_S = 150e-6
 EXCH_MIN_BYTES = 128 << 10
 REF_SIZE = 16 << 20
-TABLE_COLUMNS = 6      # a rank's table per rail: a, b, samples, last, rise, fall (RailEstimator)
+TABLE_COLUMNS = 7      # a rank's table per rail: a, b, samples, last, rise, fall (RailEstimator),
+#                        and the rank's rail overhead (the same in every row)
 
 
 def cost_split(nbytes: int, a, b, elem: int = 1, overhead: float = 0.0) -> list[int]:
@@ -145,6 +152,19 @@ def cost_split(nbytes: int, a, b, elem: int = 1, overhead: float = 0.0) -> list[
     out = [e * elem for e in out]
     out[big] += nbytes - nelem * elem  # only when nbytes is not a multiple of elem
     return out
+
+
+def rail_overhead(rail_cpu_s: float = RAIL_CPU_S) -> float:
+    """Seconds one more rail adds to a message on this host: RAIL_CPU_S, times the
+    runnable load per CPU this process may use when that exceeds 1. With 5 ranks on 2 cores
+    and 14 rails, seven 10 Mbit/s rails carried 3.5 % of the bytes but half the frames, and
+    leaving them out made the ring 1.6x faster (a pinned split, 208 -> 333 Mbit/s); on a
+    host of its own a rank pays the CPU time alone."""
+    try:
+        load, ncpu = os.getloadavg()[0], len(os.sched_getaffinity(0))
+    except (OSError, AttributeError):
+        return rail_cpu_s
+    return rail_cpu_s * max(1.0, load / max(1, ncpu))
 
 
 def _usable(x) -> bool:
@@ -299,6 +319,7 @@ class RailState:
         self.fell = [False] * nrails      # per rail: its last jump was to a higher cost
         self.patience = MIN_SAMPLES       # samples a table needs to move a rail by a step
         self.moved = False        # the last table changed the model in use
+        self.overhead = RAIL_CPU_S   # agreed seconds one more rail adds to a message
         self.reason = "start"
 
     def _enter_cold(self, reason):
@@ -516,6 +537,7 @@ class RailState:
 
     def weights_fields(self):
         return {"shares": [round(x, 4) for x in self.shares()], "state": self.state,
+                "overhead_us": round(self.overhead * 1e6, 1),
                 "a": self.used_a or self.a, "b": self.used_b or self.b}
 
     def best_rail(self) -> int:
@@ -528,17 +550,19 @@ class Balancer:
     MODES = ("nezha", "stripe", "single")
 
     def __init__(self, nrails: int, mode: str = "nezha", chunk_bytes: int = 512 << 10,
-                 pinned=None):
+                 pinned=None, rail_cpu_s: float = RAIL_CPU_S):
         if mode not in self.MODES:
             raise ValueError(f"unknown balancing mode {mode!r}")
         if pinned is not None and len(pinned) != nrails:
             raise ValueError(f"{len(pinned)} pinned shares for {nrails} rails")
         self.pinned = pinned     # stripe: proportions per rail (None: equal)
+        self.rail_cpu_s = rail_cpu_s   # NEZHA_RAIL_CPU_US
         self.nrails = nrails
         self.mode = mode
         self.chunk_bytes = chunk_bytes
         self.est = [RailEstimator() for _ in range(nrails)]
         self.rs = RailState(nrails)
+        self.rs.overhead = rail_cpu_s
         self.ops_since_exchange = 0
         self.pending_s = 0.0     # what the ops since the last exchange should have taken
 
@@ -551,11 +575,13 @@ class Balancer:
 
     # ---- agreement
     def local_table(self) -> np.ndarray:
-        """This rank's [a, b, samples, last, rise, fall] per rail (see RailEstimator)."""
+        """This rank's [a, b, samples, last, rise, fall] per rail (see RailEstimator) and
+        its rail overhead."""
         t = np.zeros((self.nrails, TABLE_COLUMNS), dtype=np.float64)
+        over = rail_overhead(self.rail_cpu_s)
         for r, e in enumerate(self.est):
             t[r] = (e.a if e.a_samples else float("nan"), e.b, len(e.b_window), e.last,
-                    e.rise, e.fall)
+                    e.rise, e.fall, over)
         return t
 
     def want_exchange(self, nbytes: int) -> bool:
@@ -597,6 +623,9 @@ class Balancer:
         known = [x for x in a if not math.isnan(x)]
         fill = min(known) if known else A_NOMINAL
         a = [fill if math.isnan(x) else x for x in a]
+        over = tables[:, 0, 6] if self.nrails else np.array([])
+        over = over[~np.isnan(over)]
+        self.rs.overhead = float(np.median(over)) if len(over) else self.rail_cpu_s
         evs = self.rs.observe(a, b, counts, recent)
         if self.rs.moved:
             # the samples so far describe the old split: measure the new one afresh
@@ -636,7 +665,7 @@ class Balancer:
                 return [(self._best(live, nbytes), 0, nbytes)]
             a = [self.rs.used_a[r] if r in live else 0.0 for r in range(self.nrails)]
             b = [self.rs.used_b[r] if r in live else float("nan") for r in range(self.nrails)]
-            sizes = cost_split(nbytes, a, b, elem, PER_RAIL_OVERHEAD)
+            sizes = cost_split(nbytes, a, b, elem, self.rs.overhead)
         else:
             if nbytes < COLD_SMALL:
                 return [(self._best(live, nbytes), 0, nbytes)]

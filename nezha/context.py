@@ -89,7 +89,8 @@ class Context:
         self.nrails = self._transport.nrails
         self.events = Events(self.rank, self.nrails, cfg.event_log, cfg.log_ops)
         self.balancer = Balancer(self.nrails, _MODES[self.system], chunk_bytes,
-                                 cfg.shares if self.system == "stripe" else None)
+                                 cfg.shares if self.system == "stripe" else None,
+                                 rail_cpu_s=cfg.rail_cpu_us * 1e-6)
         self._engine = Engine(self.rank, self.world_size, self.nrails, self.balancer,
                               self.events, cfg)
         self.events.emit("init", system=self.system, world=self.world_size, rails=self.rail_addrs)

@@ -6,7 +6,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 A_SAMPLE_MAX = 64 << 10
-A_BYTES_MAX = 0.5     # of a start-up sample, at most this may be the bytes' own time
 ACK_PROGRESS = 2     # ACK.op_total: 0 = delivered, 1 = delivered after staging, 2 = progress only
 OP_WINDOW = 64
 

@@ -11,7 +11,7 @@ import time
 
 from .. import wire
 from ..errors import AllRailsDownError, ProtocolError
-from .messages import A_BYTES_MAX, A_SAMPLE_MAX, ACK_PROGRESS, Desc, SendChunk, SendMsg
+from .messages import A_SAMPLE_MAX, ACK_PROGRESS, Desc, SendChunk, SendMsg
 
 
 class Sending:
@@ -152,16 +152,14 @@ class Sending:
 
     def _sample_a(self, msg: SendMsg, rail: int, tries: int, now: float) -> None:
         """A small share fully acknowledged at its first try, on a rail that was idle when it
-        was queued (else it waited for earlier data): one start-up sample a_r, if the
-        start-up is most of it. A sample that is mostly the bytes' own time (s * b_r) says
-        little about a_r, and nothing at all while b_r is unknown: 60 KB shares of a
-        14-rail COLD split gave 10 Mbit/s rails a_r = 46 ms (their bytes' time) and 80
-        Mbit/s ones 3-5 ms, so in HOT the best rail carried 25 % of each block instead of
-        19 % and set the pace (1.4x slower than that split pinned)."""
+        was queued (else it waited for earlier data): one start-up sample a_r, once b_r is
+        known. Without b_r the sample is mostly the bytes' own time: 60 KB shares of a
+        14-rail COLD split gave 10 Mbit/s rails a_r = 46 ms and 80 Mbit/s ones 3-5 ms, so
+        in HOT the best rail carried 25 % of each block instead of 19 % and set the pace
+        (1.4x slower than that split pinned)."""
         share = msg.share.get(rail, 0)
         if share <= A_SAMPLE_MAX and tries == 1 and rail in msg.t0 and rail in msg.idle:
             if all(c.acked for c in msg.chunks if c.rail == rail):
-                t = now - msg.t0[rail]
                 b = self.balancer.est[rail].b if rail < len(self.balancer.est) else float("nan")
-                if b == b and share * b <= A_BYTES_MAX * t:
-                    self.balancer.record_a(rail, t - share * b)
+                if b == b:
+                    self.balancer.record_a(rail, now - msg.t0[rail] - share * b)

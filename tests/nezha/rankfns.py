@@ -205,12 +205,14 @@ def die_mid_op(rank, world, port, victim=1, nrails=2, timeout=5.0):
 
 
 def kill_rail_mid_op(rank, world, port, rail=1, count=4 << 20, iters=4, system="nezha",
-                     events=None, how="kill", settle=0.0):
+                     events=None, how="kill", settle=0.0, rail_cpu_us=None):
     """A rail's connections break (or go silent; ``how="kill-all"``: every rail to rank 1
     breaks) during a large allreduce: the result must stay exact. Returns (bad iterations, chunks moved off each rail by failover or hedging,
     event names)."""
     bad = []
     ev = f"{events}.{rank}" if events else None
+    if rail_cpu_us is not None:
+        os.environ["NEZHA_RAIL_CPU_US"] = str(rail_cpu_us)
     with make_ctx(rank, world, port, 2, system, timeout=10.0, events=ev) as ctx:
         inputs = [data(rank, it, count, "float32") for it in range(iters)]
         ctx.barrier()

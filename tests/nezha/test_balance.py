@@ -115,7 +115,7 @@ def one_op(bal, lasts, world=3, counts=1, fall=(np.nan, np.nan)):
     t = np.full((world, len(lasts[0]), balance.TABLE_COLUMNS), np.nan)
     for p in range(world):
         for r, x in enumerate(lasts[p]):
-            t[p, r] = (1e-4, np.nan, counts, x, 1.0 if counts > 1 else np.nan, fall[r])
+            t[p, r, :6] = (1e-4, np.nan, counts, x, 1.0 if counts > 1 else np.nan, fall[r])
     return bal.agree(t)
 
 
@@ -248,10 +248,28 @@ def test_a_rail_that_got_slower_never_gets_cheaper():
     bal = hot([1e-8, 8e-8])
     t = np.full((3, 2, balance.TABLE_COLUMNS), np.nan)
     t[:, :, :3] = (1e-4, np.nan, 3)
-    t[:, 0, 3:] = (1e-8, 1.0, 1.0)
-    t[:, 1, 3:] = (1.4e-9, 2.0, 1.0)
+    t[:, 0, 3:6] = (1e-8, 1.0, 1.0)
+    t[:, 1, 3:6] = (1.4e-9, 2.0, 1.0)
     bal.agree(t)
     assert bal.rs.used_b[1] == pytest.approx(1.6e-7)
+
+
+def test_a_rail_that_saves_less_than_it_costs_the_cpu_is_left_out():
+    """Two 80 Mbit/s rails and two 10 Mbit/s ones, with the ranks' rail overheads 0.3, 0.5
+    and 0.9 ms (the median is agreed): a 100 KB block is done 0.3 ms sooner with a slow rail
+    than without, less than the rail costs, so the slow rails get nothing; a 16 MiB message
+    uses all four."""
+    bs = [1e-7, 1e-7, 8e-7, 8e-7]
+    bal = hot(bs)
+    t = np.full((3, 4, balance.TABLE_COLUMNS), np.nan)
+    for r, b in enumerate(bs):
+        t[:, r, :3] = (1e-4, b, 5)
+    t[:, :, 6] = [[3e-4], [5e-4], [9e-4]]
+    bal.agree(t)
+    assert bal.rs.overhead == pytest.approx(5e-4)
+    assert sorted(r for r, _, n in bal.split(100_000, 4) if n) == [0, 1]
+    assert sorted(r for r, _, n in bal.split(16 << 20, 4) if n) == [0, 1, 2, 3]
+    assert balance.rail_overhead() >= balance.RAIL_CPU_S
 
 
 def test_a_single_stall_or_a_uniform_slowdown_does_not_move_the_split():

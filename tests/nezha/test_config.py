@@ -51,10 +51,19 @@ def test_empty_counts_as_unset_and_zero_means_default():
 @pytest.mark.parametrize("name, value", [("NEZHA_RANK", "one"), ("NEZHA_TIMEOUT", "fast"),
                                          ("NEZHA_HEARTBEAT_MS", "1e"),
                                          ("NEZHA_PIPE_BLOCK", "2M"), ("NEZHA_SHARES", "3,x"),
-                                         ("NEZHA_SHARES", "3,-1"), ("NEZHA_SHARES", "0,0")])
+                                         ("NEZHA_SHARES", "3,-1"), ("NEZHA_SHARES", "0,0"),
+                                         ("NEZHA_RAIL_CPU_US", "-5"), ("NEZHA_RAIL_CPU_US", "x")])
 def test_a_bad_value_names_its_variable(name, value):
     with pytest.raises(ConfigError, match=f"{name}='{value}'"):
         Config.from_env({name: value})
+
+
+def test_the_rail_cpu_cost_reaches_the_balancer():
+    from nezha.balance import Balancer
+    assert Config.from_env({}).rail_cpu_us == 150.0
+    c = Config.from_env({"NEZHA_RAIL_CPU_US": "0"})
+    bal = Balancer(2, "nezha", rail_cpu_s=c.rail_cpu_us * 1e-6)
+    assert bal.rs.overhead == 0.0 and bal.local_table()[0, 6] == 0.0
 
 
 def test_pinned_shares_are_proportions_per_rail():
