@@ -325,15 +325,17 @@ class Health:
         if ti is not None and now - conn.check_ok_t < CHECK_MEMORY:
             window = max(stalled, RTO_FACTOR * ti.rto)
         self._check_seq += 1
-        conn.check_id, conn.check_t, conn.check_why = self._check_seq, now, why
+        # the answer may clear check_id before the datagram goes: ask with this id
+        ident = self._check_seq
+        conn.check_id, conn.check_t, conn.check_why = ident, now, why
         if self.prober is not None:
             self._probe(conn, now)
         self.eng.events.emit("rail_check", peer=conn.peer, rail=conn.rail, stalled_ms=stalled * 1e3,
                              window_ms=window * 1e3, tcp=ti.for_log() if ti else None)
         self.eng.send_control(conn.peer, {"what": "arrivals?", "rail": conn.rail,
-                                          "id": conn.check_id, "window": window},
+                                          "id": ident, "window": window},
                               avoid=conn.rail)
-        self._ask_udp(conn, Q_ARRIVALS, window, conn.check_id)
+        self._ask_udp(conn, Q_ARRIVALS, window, ident)
 
     def _ask_udp(self, conn, what: int, window: float, ident: int) -> None:
         """The same question as a datagram on another rail too (pathprobe.question)."""
@@ -467,15 +469,16 @@ class Health:
             conn.rx_due_next = now + RX_RECHECK
             return False
         self._check_seq += 1
-        conn.rx_check_id, conn.rx_check_t = self._check_seq, now
+        ident = self._check_seq    # the TCP answer may clear rx_check_id before the datagram
+        conn.rx_check_id, conn.rx_check_t = ident, now
         conn.rx_check_why = (f"nothing received for {quiet * 1e3:.0f} ms while rank "
                              f"{conn.peer}'s other rails delivered and its share on this rail "
                              f"was due")
         self._probe(conn, now)
         self.eng.send_control(conn.peer, {"what": "acks?", "rail": conn.rail,
-                                          "id": conn.rx_check_id, "window": quiet},
+                                          "id": ident, "window": quiet},
                               avoid=conn.rail)
-        self._ask_udp(conn, Q_ACKS, quiet, conn.rx_check_id)
+        self._ask_udp(conn, Q_ACKS, quiet, ident)
         return False
 
     def on_acks_question(self, peer: int, rail: int, window: float) -> int:

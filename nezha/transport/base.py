@@ -217,23 +217,7 @@ class Connection:
         # test hooks, checked once per frame: this connection (blackhole) or the whole rank
         # (the engine's silenced, which also covers connections made later) moves no bytes
         self.blackhole = False
-        self.tcp_info_ok = True   # progress watchdog state (health.py)
-        self.tcp_delivered = -1
-        self.tcp_moved = 0.0
-        self.tcp_rto = 0.0            # TCP RTO when delivery last moved (before any back-off)
-        self.suspected = False
-        self.arrivals: deque = deque(maxlen=128)   # (t, arrived()) each health tick
-        self.check_id = None      # a pending "do bytes still arrive?" question to the peer
-        self.check_t = 0.0
-        self.check_why = ""
-        self.check_ok_t = -1e9    # when the peer last said our bytes still arrive
-        self.dead_why = ""        # evidence of a dead rail waiting for the path probes' verdict
-        self.dead_t = 0.0         # ...since then
-        self.rx_ok_t = -1e9       # when this rail, silent, was last found alive
-        self.rx_check_id = None   # a pending "do your ACKs still arrive?" question (receiver)
-        self.rx_check_t = 0.0
-        self.rx_due_next = 0.0    # health.py: when a quiet rail's share may be looked at again
-        self.rx_check_why = ""
+        self._health_state()
         try:   # (local port, remote port): names this TCP connection in rail reports
             self.ident = (sock.getsockname()[1], sock.getpeername()[1])
         except OSError:
@@ -252,6 +236,27 @@ class Connection:
                                        name=f"nz-rx-p{peer}-r{rail}")
         self.writer = threading.Thread(target=self._write_loop, daemon=True,
                                        name=f"nz-tx-p{peer}-r{rail}")
+
+    def _health_state(self) -> None:
+        """What health.py keeps per connection: the progress watchdog, the questions to the
+        peer and the evidence waiting for the path probes."""
+        self.tcp_info_ok = True   # progress watchdog state (health.py)
+        self.tcp_delivered = -1
+        self.tcp_moved = 0.0
+        self.tcp_rto = 0.0            # TCP RTO when delivery last moved (before any back-off)
+        self.suspected = False
+        self.arrivals: deque = deque(maxlen=128)   # (t, arrived()) each health tick
+        self.check_id = None      # a pending "do bytes still arrive?" question to the peer
+        self.check_t = 0.0
+        self.check_why = ""
+        self.check_ok_t = -1e9    # when the peer last said our bytes still arrive
+        self.dead_why = ""        # evidence of a dead rail waiting for the path probes' verdict
+        self.dead_t = 0.0         # ...since then
+        self.rx_ok_t = -1e9       # when this rail, silent, was last found alive
+        self.rx_check_id = None   # a pending "do your ACKs still arrive?" question (receiver)
+        self.rx_check_t = 0.0
+        self.rx_due_next = 0.0    # health.py: when a quiet rail's share may be looked at again
+        self.rx_check_why = ""
 
     def __repr__(self):
         return f"<Connection peer={self.peer} rail={self.rail} alive={self.alive}>"
