@@ -103,7 +103,7 @@ RAIL_CPU_S = 150e-6
 EXCH_MIN_BYTES = 128 << 10
 REF_SIZE = 16 << 20
 TABLE_COLUMNS = 7      # a rank's table per rail: a, b, samples, last, rise, fall (RailEstimator),
-#                        and the rank's rail overhead (the same in every row)
+OVERHEAD_COLUMN = 6    # ...and the rank's rail overhead (the same in every row)
 
 
 def cost_split(nbytes: int, a, b, elem: int = 1, overhead: float = 0.0) -> list[int]:
@@ -623,7 +623,7 @@ class Balancer:
         known = [x for x in a if not math.isnan(x)]
         fill = min(known) if known else A_NOMINAL
         a = [fill if math.isnan(x) else x for x in a]
-        over = tables[:, 0, 6] if self.nrails else np.array([])
+        over = tables[:, 0, OVERHEAD_COLUMN]
         over = over[~np.isnan(over)]
         self.rs.overhead = float(np.median(over)) if len(over) else self.rail_cpu_s
         evs = self.rs.observe(a, b, counts, recent)

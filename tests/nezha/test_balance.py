@@ -264,12 +264,11 @@ def test_a_rail_that_saves_less_than_it_costs_the_cpu_is_left_out():
     t = np.full((3, 4, balance.TABLE_COLUMNS), np.nan)
     for r, b in enumerate(bs):
         t[:, r, :3] = (1e-4, b, 5)
-    t[:, :, 6] = [[3e-4], [5e-4], [9e-4]]
+    t[:, :, balance.OVERHEAD_COLUMN] = [[3e-4], [5e-4], [9e-4]]
     bal.agree(t)
     assert bal.rs.overhead == pytest.approx(5e-4)
     assert sorted(r for r, _, n in bal.split(100_000, 4) if n) == [0, 1]
     assert sorted(r for r, _, n in bal.split(16 << 20, 4) if n) == [0, 1, 2, 3]
-    assert balance.rail_overhead() >= balance.RAIL_CPU_S
 
 
 def test_a_single_stall_or_a_uniform_slowdown_does_not_move_the_split():

@@ -59,11 +59,12 @@ def test_a_bad_value_names_its_variable(name, value):
 
 
 def test_the_rail_cpu_cost_reaches_the_balancer():
+    from nezha import balance
     from nezha.balance import Balancer
     assert Config.from_env({}).rail_cpu_us == 150.0
     c = Config.from_env({"NEZHA_RAIL_CPU_US": "0"})
     bal = Balancer(2, "nezha", rail_cpu_s=c.rail_cpu_us * 1e-6)
-    assert bal.rs.overhead == 0.0 and bal.local_table()[0, 6] == 0.0
+    assert bal.rs.overhead == 0.0 and bal.local_table()[0, balance.OVERHEAD_COLUMN] == 0.0
 
 
 def test_pinned_shares_are_proportions_per_rail():
