@@ -74,6 +74,8 @@ from typing import NamedTuple
 
 import numpy as np
 
+from .config import Config
+
 COLD, HOT = "cold", "hot"
 
 A_NOMINAL = 100e-6
@@ -98,8 +100,9 @@ COLD_SMALL = 64 << 10
 MIN_SPLIT = 32 << 10
 # CPU seconds one rank spends per rail per message (its frame out and that frame's ACK in,
 # the neighbour's frame in and its ACK out; thread wake-ups included): 5 ranks on loopback
-# used 150 us more per rail and ring step with 14 rails than with 1 (nezha.bench, stripe)
-RAIL_CPU_S = 150e-6
+# used 150 us more per rail and ring step with 14 rails than with 1 (nezha.bench, stripe).
+# NEZHA_RAIL_CPU_US's default (config.py) is the one figure
+RAIL_CPU_S = Config.rail_cpu_us * 1e-6
 EXCH_MIN_BYTES = 128 << 10
 REF_SIZE = 16 << 20
 TABLE_COLUMNS = 7      # a rank's table per rail: a, b, samples, last, rise, fall (RailEstimator),

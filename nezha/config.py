@@ -169,7 +169,7 @@ class Config:
     tcp_congestion: str = ""
     staging_limit: int = 1 << 30
     pipe_block: int = 2 << 20
-    rail_cpu_us: float = 150.0        # balance.RAIL_CPU_S: CPU per rail per message
+    rail_cpu_us: float = 150.0        # CPU per rail per message (balance.RAIL_CPU_S, measured)
     watchdog_ms: float = 20.0
     check_timeout_ms: float = 100.0
     heartbeat_ms: float = 250.0

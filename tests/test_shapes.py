@@ -256,6 +256,35 @@ def test_ops_to_balance_is_where_every_later_iteration_is_within_10_percent():
     assert ops_to_balance([], "nezha", 10) is None
 
 
+def test_the_steady_table_script_judges_a_compare_run_by_these_rules(tmp_path, capsys,
+                                                                     monkeypatch):
+    """scripts/steady_table.py (the README's held-out table): per topology file, all and
+    steady busbw per system, Nezha over the optimum, single and MPTCP, ops per round."""
+    from pathlib import Path
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "scripts"))
+    import steady_table
+    topo = tmp_path / "two.yaml"
+    topo.write_text("name: two\nhosts: 2\nrails:\n  - {name: r0, bandwidth: 100mbit}\n"
+                    "  - {name: r1, bandwidth: 100mbit}\n")
+    round2 = [dict(r, phase=1) for r in _its("nezha", [100] * 10 + [200])]
+    its = (_its("nezha", [400, 300] + [100] * 9) + round2 + _its("single", [200] * 11)
+           + _its("mptcp", [125] * 11))
+    (tmp_path / "res" / "two").mkdir(parents=True)
+    (tmp_path / "res" / "two" / "results.json").write_text(
+        json.dumps({"detail": {"iterations": its}}))
+    monkeypatch.setattr("sys.argv", ["steady_table.py", str(topo), "--results",
+                                     str(tmp_path / "res")])
+    assert steady_table.main() == 0
+    cells = [c.strip() for c in capsys.readouterr().out.splitlines()[-1].strip("|").split("|")]
+    opt = 2 * 100 * F1500                                       # two rails' goodput, Mbit/s
+    steady = 8 * MIB * 8 / 0.1 / 1e6
+    assert cells[0] == "two"
+    assert cells[1] == f"{steady:.0f} / {steady:.0f}"           # iteration 0 is not timed
+    assert cells[4] == f"{steady / opt:.2f}"
+    assert cells[5:7] == ["2.00", "1.25"]
+    assert cells[7] == "2, -"                                  # round 2 ends off its median
+
+
 def _row(seed, nezha, single, mptcp, opt=100.0, **kw) -> ShapeRow:
     return ShapeRow(seed, 3, 4, "4r 10-100M", 4 * MIB, optimum_mbps=opt,
                     busbw_mbps={"nezha": nezha, "single": single, "mptcp": mptcp}, **kw)

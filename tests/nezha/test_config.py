@@ -59,12 +59,15 @@ def test_a_bad_value_names_its_variable(name, value):
 
 
 def test_the_rail_cpu_cost_reaches_the_balancer():
-    from nezha import balance
-    from nezha.balance import Balancer
-    assert Config.from_env({}).rail_cpu_us == 150.0
-    c = Config.from_env({"NEZHA_RAIL_CPU_US": "0"})
-    bal = Balancer(2, "nezha", rail_cpu_s=c.rail_cpu_us * 1e-6)
-    assert bal.rs.overhead == 0.0 and bal.local_table()[0, balance.OVERHEAD_COLUMN] == 0.0
+    from nezha import Context, balance
+    from nezha.testing import free_port
+    assert Config.from_env({}).rail_cpu_us * 1e-6 == balance.RAIL_CPU_S
+    cfg = Config.from_env({"NEZHA_RAIL_CPU_US": "0"})
+    cfg = dataclasses.replace(cfg, rank=0, world_size=1, rails="127.0.0.1",
+                              master_addr="127.0.0.1", master_port=free_port())
+    with Context(config=cfg) as ctx:
+        bal = ctx.balancer
+        assert bal.rs.overhead == 0.0 and bal.local_table()[0, balance.OVERHEAD_COLUMN] == 0.0
 
 
 def test_pinned_shares_are_proportions_per_rail():
