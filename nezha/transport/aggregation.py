@@ -262,6 +262,10 @@ class AggregationChannel:
             while recv_exact_into(self._sock, hdr, "aggregation header"):
                 self._dispatch(aggwire.unpack(hdr))
             why = "closed the connection"
+        except ConnectionResetError:
+            # a switch that exits with our contribution unread resets instead of closing
+            # (a full suite saw each): the same event, told the same way
+            why = "closed the connection (reset)"
         except (OSError, ProtocolError, AggregatorError) as e:
             why = str(e)
         self._fail(AggregatorUnavailable(f"aggregation switch {self.address}:{self.port}: "

@@ -272,6 +272,42 @@ def test_switch_gone_fails_every_chunk_in_flight():
         AggregationChannel("127.0.0.1", r.port, 0, 2, SECRET, connect_timeout=1)
 
 
+def test_a_switch_that_resets_is_a_switch_that_closed(switch):
+    """A switch that exits with a contribution unread resets the connection instead of
+    closing it (the race the test above can meet): in flight, the chunk fails the same way.
+    A relay between the channel and the switch resets its side on demand (SO_LINGER 0)."""
+    lsock = socket.create_server(("127.0.0.1", 0))
+    relayed: list = []
+
+    def relay():
+        front, _ = lsock.accept()
+        back = socket.create_connection(("127.0.0.1", switch.port))
+        inward = threading.Thread(target=_pump, args=(front, back), daemon=True)
+        threading.Thread(target=_pump, args=(back, front), daemon=True).start()
+        inward.start()
+        relayed.append((front, inward))
+
+    threading.Thread(target=relay, daemon=True).start()
+    ch = AggregationChannel("127.0.0.1", lsock.getsockname()[1], 0, 2, SECRET, timeout=5)
+    p = ch.submit(3, 0, np.ones(10, np.float32))       # rank 1 never sends: stays in flight
+    front, inward = relayed[0]
+    front.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\0\0\0\0\0\0\0")
+    front.shutdown(socket.SHUT_RD)      # ends the relay's read (a socket another thread is
+    inward.join(5)                      # reading is not released by close), sends no FIN...
+    front.close()                       # ...and the close with linger 0 resets
+    with pytest.raises(AggregatorUnavailable, match=r"closed the connection \(reset\)"):
+        p.wait(5)
+    lsock.close()
+
+
+def _pump(src: socket.socket, dst: socket.socket) -> None:
+    try:
+        while data := src.recv(65536):
+            dst.sendall(data)
+    except OSError:
+        pass
+
+
 def test_no_result_is_a_timeout(switch):
     a = channels(switch, 2)[0]
     with pytest.raises(AggregatorTimeout):
