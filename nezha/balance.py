@@ -320,6 +320,8 @@ class RailState:
         self.shift = [0] * nrails         # per rail: the last table's sign of change (_shifts)
         self.worth = [0.0] * nrails       # per rail: its cost before it last slowed (_shifts)
         self.fell = [False] * nrails      # per rail: its last jump was to a higher cost
+        self.backed = [False] * nrails    # per rail: the last table made it jump back faster
+        self.doubted = [False] * nrails   # per rail: a jump back of it proved wrong (_shifts)
         self.patience = MIN_SAMPLES       # samples a table needs to move a rail by a step
         self.moved = False        # the last table changed the model in use
         self.overhead = RAIL_CPU_S   # agreed seconds one more rail adds to a message
@@ -401,15 +403,7 @@ class RailState:
         share of at least WORTH_SHARE x an equal one (on 14 rails, 10 Mbit/s rails whose
         worth came from 2 % probing shares jumped back to twice their share).
 
-        Faster: only a rail that slowed, back to what it was worth (at most FALL_MAX x
-        cheaper in one jump; the worth is kept until it is reached), when every hop's last
-        two operations were SHIFT x cheaper than the median earlier one at the same split
-        (RailEstimator.fall), or when the slowest hop's last cost is within SHIFT x of the
-        worth in two tables in a row. A share's cost depends on its size (a token bucket
-        that refilled while the rail idled passes a small share at once), so a rail that
-        never slowed is not trusted to jump faster: on 8 rails a 25 Mbit/s rail's last two
-        operations looked 1.5x cheaper than its earlier ones, the jump gave it 58 % of a
-        16 MiB message, and that operation took 3.4 s instead of 0.37. Damped steps move it.
+        Faster: only a rail that slowed, back to what it was worth (``_way_back``).
         """
         out = {}
         shares = self.shares()
@@ -422,8 +416,11 @@ class RailState:
             slower = hi >= SHIFT * x or rec.rise_hi[r] >= SHIFT
             if self.fell[r] and rec.samples[r] < RESHIFT_SAMPLES:
                 slower = slower_all = False      # it just jumped slower: let its share tell
-            back = self.worth[r] and hi <= SHIFT * self.worth[r]
-            way = 1 if slower else (-1 if back else 0)
+            back = self._way_back(r, rec, x, hi)
+            way = 1 if slower else (-1 if back[1] else 0)
+            if (slower_all or slower) and self.backed[r]:
+                self.doubted[r] = True           # its jump back was wrong: confirm them
+            self.backed[r] = False
             if slower_all or (slower and self.shift[r] > 0):
                 # every hop at least this slow (the slowest may also carry a hedge's cost);
                 # a rise at the same split scales the cost in use, whatever the share's size
@@ -434,13 +431,49 @@ class RailState:
                     self.worth[r] = self.worth[r] or x
                 self.fell[r] = True
                 way = 0
-            elif self.worth[r] and (rec.fall_hi[r] <= 1 / SHIFT or (back and self.shift[r] < 0)):
-                out[r] = max(self.worth[r], x / FALL_MAX)
+            elif back[0] is not None:
+                out[r] = back[0]
                 way = 0
                 self.worth[r] = 0.0 if out[r] == self.worth[r] else self.worth[r]
                 self.fell[r] = False
+                self.backed[r] = True
             self.shift[r] = way
         return out
+
+    def _way_back(self, r: int, rec: "Recent", x: float, hi: float) -> tuple:
+        """Rail ``r`` (cost in use ``x``, slowest hop's last cost ``hi``) on its way back to
+        what it was worth: (its new cost, or None if it does not jump now; whether it looks
+        faster at all).
+
+        Only a rail that slowed jumps faster, back to what it was worth (at most FALL_MAX x
+        cheaper in one jump; the worth is kept until it is reached), when every hop's last
+        two operations were SHIFT x cheaper than the median earlier one at the same split
+        (RailEstimator.fall), or at once when the slowest hop's last cost is within SHIFT x
+        of the worth; and part of the way, to that last cost, when it is SHIFT x below the
+        cost in use (the operation during which the rail recovered is part slow, part fast;
+        a jump slower that overshot: 7x for a rail at a quarter). Waiting for a second table
+        cost each recovery an operation at the slow split: on 2 rails the iterations took
+        1.05-1.76 s to get back within 1.1x (adapt matrix), 0.36-0.86 s without. Not when
+        the last operation was no cheaper than earlier ones at the same split on some hop
+        (``rise``): then the rail looks cheaper only because its share is smaller. A share's
+        cost depends on its size (a token bucket that refilled while the rail idled passes
+        a small share at once), so a jump back can be wrong: the next table sends the rail
+        back up, and from then on its jumps back need two tables in a row (``doubted``), so
+        it cannot flap. A rail that never slowed is not trusted to jump faster at all: on 8
+        rails a 25 Mbit/s rail's last two operations looked 1.5x cheaper than its earlier
+        ones, the jump gave it 58 % of a 16 MiB message, and that operation took 3.4 s
+        instead of 0.37. Damped steps move it."""
+        worth = self.worth[r]
+        if not worth:
+            return None, False
+        # no cheaper than before at this split, on some hop: a share-size effect
+        same = _usable(rec.rise_hi[r]) and rec.rise_hi[r] > 1 / SHIFT
+        back = hi <= SHIFT * worth and not same
+        cheaper = hi <= x / SHIFT and not same      # every hop (hi is the slowest's)
+        if rec.fall_hi[r] <= 1 / SHIFT or (
+                (back or cheaper) and (self.shift[r] < 0 or not self.doubted[r])):
+            return max(worth if back or not cheaper else hi, x / FALL_MAX), True
+        return None, back or cheaper
 
     def _enter_hot(self, a, b, news) -> list:
         best = min(b[r] for r in news)
@@ -650,7 +683,10 @@ class Balancer:
     def _restart_windows(self) -> None:
         for e in self.est:
             e.reset()
-        self.rs.shift = [0] * self.nrails
+        # a rail's way back is judged against what it was worth, whatever the split: a move
+        # meanwhile does not restart its confirmation (it did, and cost a doubted rail two
+        # more operations at the slow split)
+        self.rs.shift = [min(0, s) for s in self.rs.shift]
 
     # ---- the split
     def split(self, nbytes: int, elem: int, live=None) -> list[tuple[int, int, int]]:
