@@ -145,6 +145,7 @@ class Health:
         self.stop = threading.Event()
         self.backoff: dict = {}
         self.next_probe: dict = {}
+        self.last_dial: dict = {}     # (peer, rail) -> when the probe loop last dialled it
         self.thread = threading.Thread(target=self._guarded, args=(self.run,), daemon=True,
                                        name="nz-health")
         # probes connect (and may wait on a dead path): never in the heartbeat thread
@@ -160,6 +161,7 @@ class Health:
             prober.on_question, prober.on_answer = self._udp_question, self._udp_answer
         self.eng.on_acks_question = self.on_acks_question
         self.eng.on_acks = self.on_acks
+        self.eng.on_redial = self.redial_soon
 
     def start(self):
         self.thread.start()
@@ -537,6 +539,7 @@ class Health:
                 delay = min(delay, PROBE_UNREACHABLE)
             self.backoff[key] = min(PROBE_MAX, delay * 2)
             self.next_probe[key] = now + delay
+            self.last_dial[key] = now
             eng.events.emit("probe", peer=peer, rail=rail, next_in=delay)
             try:
                 self.rejoin(peer, rail)
@@ -545,6 +548,32 @@ class Health:
                 continue
             self.backoff.pop(key, None)
             self.next_probe.pop(key, None)
+
+    def link_up(self, rail: int) -> None:
+        """Our link on ``rail`` is up again (netlink): the failed connections on it are
+        redialled now, not at the next back-off step (up to PROBE_MAX later: a rail back
+        from a 3 s outage waited 0.5 s for its dial). We dial the lower ranks ourselves and
+        ask the higher ones, which dial us, to do so at once."""
+        eng = self.eng
+        for (peer, r) in list(eng.dead):
+            if r != rail or peer in eng.gone:
+                continue
+            if peer < eng.rank:
+                self.redial_soon(peer, rail)
+            else:
+                eng.send_control(peer, {"what": "redial", "rail": rail}, avoid=rail)
+
+    def redial_soon(self, peer: int, rail: int) -> None:
+        """Dial the failed connection to ``peer`` on ``rail`` at the probe loop's next turn
+        (if we are the pair's dialler and it is down); at most once per PROBE_MIN, however
+        often we are asked."""
+        key = (peer, rail)
+        if peer >= self.eng.rank or key not in self.eng.dead:
+            return
+        soon = max(time.monotonic(), self.last_dial.get(key, 0.0) + PROBE_MIN)
+        if soon < self.next_probe.get(key, 0.0):
+            self.next_probe[key] = soon
+            self.backoff[key] = PROBE_MIN
 
     # ---------------------------------------------------------------- link events
     def _start_link_monitor(self):
@@ -582,6 +611,9 @@ class Health:
                             continue
                         rail = index[msg["index"]]
                         carrier = msg.get_attr("IFLA_CARRIER")
+                        if carrier == 1 and msg["flags"] & 1:
+                            self.link_up(rail)
+                            continue
                         if carrier == 0 or not (msg["flags"] & 1):     # no carrier / IFF_UP off
                             self.eng.events.emit("rail_suspected", rail=rail, reason="link down (netlink)")
                             for (p, r), c in list(self.eng.conns.items()):

@@ -48,7 +48,8 @@ Per type:
     rank's report that its link to ``peer`` on ``rail`` failed / rejoined;
     {"what": "arrivals?", "rail", "id", "window"}: the watchdog asks whether the sender's bytes
     still reach the receiver on that rail; {"what": "arrivals", "rail", "id", "bytes"}: the
-    answer, bytes that arrived in the last ``window`` seconds.
+    answer, bytes that arrived in the last ``window`` seconds; {"what": "redial", "rail"}:
+    the sender's link on that rail came back, redial our failed connection on it now.
   * ABORT: payload UTF-8 reason; the sender failed, every receiver fails too.
   * BYE: graceful close (the receiver flushes and closes its side).
   * PROBE: reserved.

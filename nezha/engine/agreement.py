@@ -72,6 +72,9 @@ class Agreement:
         elif kind == "acks":
             if self.on_acks is not None:
                 self.on_acks(h.src, rail, ident, nbytes)
+        elif kind == "redial":
+            if self.on_redial is not None:
+                self.on_redial(h.src, rail)
         else:
             by = int(m.get("by", h.src))
             if not 0 <= by < self.world:
