@@ -131,7 +131,7 @@ faults:
 
 
 @pytest.mark.timing
-@pytest.mark.flaky(reruns=2)
+@pytest.mark.flaky(reruns=1, reruns_delay=2)
 def test_a_link_that_comes_back_is_redialled_at_once(tmp_path, no_leftovers):
     """h2's end of r1 down for 2 s: when its link comes back, h2 redials its lower rank (h1)
     itself and asks its higher rank (h3, which dials it) to redial at once over r0; every
@@ -145,9 +145,9 @@ tcp: {rto_min: 5ms}
 workload: {kind: allreduce, size: 8MiB, duration: 7s}
 faults: [{at: 3s, action: link-down, target: h2.r1, end: host, for: 2s}]
 """)
+    # timing only (it may rerun): exact results through a one-end link-down are
+    # test_fault_is_survived_exactly's
     out = run_topology(topo, tmp_path / topo.name, say=lambda m: None)
-    m = out.metrics
-    assert m["wrong_results"] == 0 and m["iterations_lost"] == 0, m.notes
     from testbed.analysis.timeline import load_events
     events = load_events(sorted((tmp_path / topo.name / "ranks").glob("*.events.jsonl")))
     end = out.faults[0].t_end
