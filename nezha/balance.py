@@ -90,7 +90,6 @@ MIN_SAMPLES = 2
 EXCH_PERIOD_S = 0.1    # in HOT, exchange once the ops since the last one should have taken this
 SHIFT = 1.5            # a rail's last operation this far off is a change, not noise (_shifts)
 FALL_MAX = 4.0         # ...and a rail that got faster jumps to at most this many times cheaper
-RESHIFT_SAMPLES = 3    # operations at its new share before a rail that jumped slower may again
 FALL_SAMPLES = 6       # operations at one split before a rail can tell it got faster
 WORTH_SHARE = 0.5      # a rail's worth is remembered only from at least this x an equal share
 STEP_START = 0.5       # a table moves a rail's cost in use half way towards it at first,
@@ -322,7 +321,6 @@ class RailState:
         self.probed = [False] * nrails
         self.shift = [0] * nrails         # per rail: the last table's sign of change (_shifts)
         self.worth = [0.0] * nrails       # per rail: its cost before it last slowed (_shifts)
-        self.fell = [False] * nrails      # per rail: its last jump was to a higher cost
         self.backed = [False] * nrails    # per rail: the last table made it jump back faster
         self.doubted = [False] * nrails   # per rail: a jump back of it proved wrong (_shifts)
         self.patience = MIN_SAMPLES       # samples a table needs to move a rail by a step
@@ -337,7 +335,6 @@ class RailState:
         self.step = [STEP_START] * self.nrails
         self.trend = [0] * self.nrails
         self.worth = [0.0] * self.nrails
-        self.fell = [False] * self.nrails
         self.probed = [False] * self.nrails
         self.reason = reason
         return [("state", {"state": COLD, "reason": reason})] if changed else []
@@ -400,9 +397,13 @@ class RailState:
         copy's wait; else the slowest hop's, as in the agreement) and the cost in use times
         the rise: a share too small to tell can look cheap in absolute terms while it got
         slower (taking its last cost made a 25 Mbit/s rail 57x cheaper). A rail that jumped
-        slower jumps slower again only after RESHIFT_SAMPLES operations at its new share
-        (its first ones can look slower still: on 3 x 3 rails a rail down to a quarter jumped
-        to 5x, then 12x its cost). What it was worth before is remembered, but only from a
+        slower may jump again at the next table: the operation during which it slowed is
+        part fast, and its first jump can fall short (to 0.37 of an 8 MiB message for a rail
+        at a quarter, where 0.2 is right); waiting for three operations at the new share
+        kept it there for two, and the split took 1.6-1.7 s to settle instead of 0.8-0.9
+        (slowing-rail.yaml). Its first operations at the new share can look slower still (on
+        3 x 3 rails a rail down to a quarter jumped to 5x, then 12x its cost): the way back
+        below corrects that. What it was worth before is remembered, but only from a
         share of at least WORTH_SHARE x an equal one (on 14 rails, 10 Mbit/s rails whose
         worth came from 2 % probing shares jumped back to twice their share).
 
@@ -417,8 +418,6 @@ class RailState:
                 continue
             slower_all = rec.last_lo[r] >= SHIFT * x or rec.rise_lo[r] >= SHIFT
             slower = hi >= SHIFT * x or rec.rise_hi[r] >= SHIFT
-            if self.fell[r] and rec.samples[r] < RESHIFT_SAMPLES:
-                slower = slower_all = False      # it just jumped slower: let its share tell
             back = self._way_back(r, rec, x, hi)
             way = 1 if slower else (-1 if back[1] else 0)
             if (slower_all or slower) and self.backed[r]:
@@ -432,13 +431,11 @@ class RailState:
                 out[r] = max(c for c in (last, x * rise, x) if _usable(c))
                 if shares[r] >= WORTH_SHARE / len(self.live):
                     self.worth[r] = self.worth[r] or x
-                self.fell[r] = True
                 way = 0
             elif back[0] is not None:
                 out[r] = back[0]
                 way = 0
                 self.worth[r] = 0.0 if out[r] == self.worth[r] else self.worth[r]
-                self.fell[r] = False
                 self.backed[r] = True
             self.shift[r] = way
         return out
@@ -452,9 +449,12 @@ class RailState:
         cheaper in one jump; the worth is kept until it is reached), when every hop's last
         two operations were SHIFT x cheaper than the median earlier one at the same split
         (RailEstimator.fall), or at once when the slowest hop's last cost is within SHIFT x
-        of the worth; and part of the way, to that last cost, when it is SHIFT x below the
-        cost in use (the operation during which the rail recovered is part slow, part fast;
-        a jump slower that overshot: 7x for a rail at a quarter). Waiting for a second table
+        of the worth; and part of the way when its last cost is SHIFT x below the cost in
+        use (the operation during which the rail recovered is part slow, part fast; a jump
+        slower that overshot: 7x for a rail at a quarter): half way on a log scale, since a
+        share's cost grows with its size and the last one was measured at a smaller share
+        (to the last cost itself, a rail at a quarter got 0.24 of the message where 0.2 is
+        right). Waiting for a second table
         cost each recovery an operation at the slow split: on 2 rails the iterations took
         1.05-1.76 s to get back within 1.1x (adapt matrix), 0.36-0.86 s without. Not when
         the last operation was no cheaper than earlier ones at the same split on some hop
@@ -475,7 +475,7 @@ class RailState:
         cheaper = hi <= x / SHIFT and not same      # every hop (hi is the slowest's)
         if rec.fall_hi[r] <= 1 / SHIFT or (
                 (back or cheaper) and (self.shift[r] < 0 or not self.doubted[r])):
-            return max(worth if back or not cheaper else hi, x / FALL_MAX), True
+            return max(worth if back or not cheaper else math.sqrt(x * hi), x / FALL_MAX), True
         return None, back or cheaper
 
     def _enter_hot(self, a, b, news) -> list:

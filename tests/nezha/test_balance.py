@@ -209,6 +209,17 @@ def test_a_rail_that_slows_on_every_hop_is_followed_after_one_operation():
     assert bal.rs.shares()[1] == pytest.approx(1 / 5.2, abs=1e-3)
 
 
+def test_a_rail_whose_first_jump_fell_short_jumps_again_at_the_next_table():
+    """The operation during which a rail slowed is part fast: its first jump falls short,
+    and the next operation, all at the new rate, moves it the rest of the way at once
+    (waiting for three operations kept the split wrong for two: slowing-rail.yaml)."""
+    bal = hot([1e-8, 1e-8])
+    one_op(bal, [[1e-8, 1.7e-8]] * 3)                         # the drop, part way through
+    assert bal.rs.used_b[1] == pytest.approx(1.7e-8)
+    assert one_op(bal, [[1e-8, 4.2e-8]] * 3)[0][1]["shifted"] == [1]
+    assert bal.rs.used_b[1] == pytest.approx(4.2e-8)
+
+
 def test_one_slow_hop_must_show_twice_and_a_faster_rail_at_the_same_split():
     bal = hot([1e-8, 1e-8])
     slow_hop = [[1e-8, 1e-8], [1e-8, 4e-8], [1e-8, 1e-8]]   # rank 1's hop on rail 1 only
@@ -444,15 +455,16 @@ def test_a_rail_back_near_what_it_was_worth_gets_it_back_after_one_table():
 
 def test_a_rail_half_way_back_jumps_half_way():
     """The operation during which a rail recovered is part slow, part fast: cheaper than
-    the cost in use by SHIFT on every hop, the rail jumps to that cost at once, and to what
-    it was worth at the next table."""
+    the cost in use by SHIFT on every hop, the rail jumps half way (on a log scale) to that
+    cost at once, and to what it was worth at the next table."""
     bal = hot([1e-8, 1e-8])
     one_op(bal, [[1e-8, 4e-8]] * 3)
     assert one_op(bal, [[1e-8, 2.2e-8]] * 3)[0][1]["shifted"] == [1]
-    assert bal.rs.used_b[1] == pytest.approx(2.2e-8)
+    assert bal.rs.used_b[1] == pytest.approx(math.sqrt(4e-8 * 2.2e-8))
     assert one_op(bal, [[1e-8, 1.1e-8]] * 3)[0][1]["shifted"] == [1]
     assert bal.rs.used_b[1] == pytest.approx(1e-8)
     # a rail that only wobbles around its cost in use does not jump
+    one_op(bal, [[1e-8, 1e-8]] * 3)
     one_op(bal, [[1e-8, 4e-8]] * 3)
     assert one_op(bal, [[1e-8, 3.2e-8]] * 3) == []
     # nor one that looks cheaper only because its share is smaller (no cheaper than before
