@@ -65,8 +65,8 @@ return (adaptation_ms 654, before this schedule 3502); iterations during the slo
 the ideal for the 250 Mbit/s left (MPTCP: 2.7x); on steady 300 + 100 Mbit/s rails the split
 moved 3 times in the first 1.1 s and never again in 24 s. With the jump back on the first
 table (``RailState._way_back``) the iterations are back within 1.1x of their pre-slowdown
-time 0.82 s after the return on this shape (1.25 s before), 0.3-0.9 s on the 18 shapes x
-kinds of ``testbed adapt`` (0.5-1.8 s before).
+time 0.72 s after the return on this shape (1.25 s before), 0.29-0.85 s on the 18 shapes x
+kinds of ``testbed adapt`` (0.53-1.76 s before; README, *A rail that changes*).
 """
 from __future__ import annotations
 
@@ -454,11 +454,11 @@ class RailState:
         slower that overshot: 7x for a rail at a quarter): half way on a log scale, since a
         share's cost grows with its size and the last one was measured at a smaller share
         (to the last cost itself, a rail at a quarter got 0.24 of the message where 0.2 is
-        right). Waiting for a second table
-        cost each recovery an operation at the slow split: on 2 rails the iterations took
-        1.05-1.76 s to get back within 1.1x (adapt matrix), 0.36-0.86 s without. Not when
-        the last operation was no cheaper than earlier ones at the same split on some hop
-        (``rise``): then the rail looks cheaper only because its share is smaller. A share's
+        right). Waiting for a second table cost each recovery an operation at the slow
+        split: on 2 rails the iterations took 1.05-1.76 s to get back within 1.1x (adapt
+        matrix), 0.55-0.85 s without. Not when the last operation was no cheaper than
+        earlier ones at the same split on some hop (``rise``): then the rail looks cheaper
+        only because its share is smaller. A share's
         cost depends on its size (a token bucket that refilled while the rail idled passes
         a small share at once), so a jump back can be wrong: the next table sends the rail
         back up, and from then on its jumps back need two tables in a row (``doubted``), so
