@@ -418,9 +418,9 @@ class RailState:
                 continue
             slower_all = rec.last_lo[r] >= SHIFT * x or rec.rise_lo[r] >= SHIFT
             slower = hi >= SHIFT * x or rec.rise_hi[r] >= SHIFT
-            back = self._way_back(r, rec, x, hi)
-            way = 1 if slower else (-1 if back[1] else 0)
-            if (slower_all or slower) and self.backed[r]:
+            jump, looks_back = self._way_back(r, rec, x, hi)
+            way = 1 if slower else (-1 if looks_back else 0)
+            if slower and self.backed[r]:        # (every hop slower implies the slowest is)
                 self.doubted[r] = True           # its jump back was wrong: confirm them
             self.backed[r] = False
             if slower_all or (slower and self.shift[r] > 0):
@@ -432,8 +432,8 @@ class RailState:
                 if shares[r] >= WORTH_SHARE / len(self.live):
                     self.worth[r] = self.worth[r] or x
                 way = 0
-            elif back[0] is not None:
-                out[r] = back[0]
+            elif jump is not None:
+                out[r] = jump
                 way = 0
                 self.worth[r] = 0.0 if out[r] == self.worth[r] else self.worth[r]
                 self.backed[r] = True
@@ -455,7 +455,7 @@ class RailState:
         share's cost grows with its size and the last one was measured at a smaller share
         (to the last cost itself, a rail at a quarter got 0.24 of the message where 0.2 is
         right). Waiting for a second table cost each recovery an operation at the slow
-        split: on 2 rails the iterations took 1.05-1.76 s to get back within 1.1x (adapt
+        split: on 2 rails the iterations took 0.94-1.76 s to get back within 1.1x (adapt
         matrix), 0.55-0.85 s without. Not when the last operation was no cheaper than
         earlier ones at the same split on some hop (``rise``): then the rail looks cheaper
         only because its share is smaller. A share's
@@ -475,7 +475,8 @@ class RailState:
         cheaper = hi <= x / SHIFT and not same      # every hop (hi is the slowest's)
         if rec.fall_hi[r] <= 1 / SHIFT or (
                 (back or cheaper) and (self.shift[r] < 0 or not self.doubted[r])):
-            return max(worth if back or not cheaper else math.sqrt(x * hi), x / FALL_MAX), True
+            target = math.sqrt(x * hi) if cheaper and not back else worth
+            return max(target, x / FALL_MAX), True
         return None, back or cheaper
 
     def _enter_hot(self, a, b, news) -> list:
@@ -687,8 +688,8 @@ class Balancer:
         for e in self.est:
             e.reset()
         # a rail's way back is judged against what it was worth, whatever the split: a move
-        # meanwhile does not restart its confirmation (it did, and cost a doubted rail two
-        # more operations at the slow split)
+        # meanwhile does not restart its confirmation (it did: on 2 x 2 a rail back from a
+        # slowdown waited two more operations at its slow share, adapt matrix)
         self.rs.shift = [min(0, s) for s in self.rs.shift]
 
     # ---- the split

@@ -611,10 +611,10 @@ class Health:
                             continue
                         rail = index[msg["index"]]
                         carrier = msg.get_attr("IFLA_CARRIER")
-                        if carrier == 1 and msg["flags"] & 1:
+                        up = bool(msg["flags"] & 1)                     # IFF_UP
+                        if carrier == 1 and up:
                             self.link_up(rail)
-                            continue
-                        if carrier == 0 or not (msg["flags"] & 1):     # no carrier / IFF_UP off
+                        elif carrier == 0 or not up:
                             self.eng.events.emit("rail_suspected", rail=rail, reason="link down (netlink)")
                             for (p, r), c in list(self.eng.conns.items()):
                                 if r == rail and c.alive:

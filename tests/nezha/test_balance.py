@@ -439,7 +439,7 @@ def test_rise_and_fall_compare_operations_at_one_split():
 def test_a_rail_back_near_what_it_was_worth_gets_it_back_after_one_table():
     """No comparison at one split is needed when the rail's cost is back within SHIFT of
     what it was worth before it slowed: one table is enough (two cost a rail that recovered
-    a whole operation at its slow share: recovery 1.05-1.76 s on 2 rails, adapt matrix)."""
+    a whole operation at its slow share: recovery 0.94-1.76 s on 2 rails, adapt matrix)."""
     bal = hot([1e-8, 1e-8])
     one_op(bal, [[1e-8, 4e-8]] * 3)                           # slowed 4x on every hop
     assert bal.rs.used_b[1] == pytest.approx(4e-8)
