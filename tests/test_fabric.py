@@ -85,6 +85,38 @@ def test_slow_rails_pass_no_burst_a_real_link_would_not(rates_fabric):
     assert tc.decode_htb_class(cls)["burst"] * 8 / 10e6 < 0.010     # < 10 ms at 10 Mbit/s
 
 
+def test_a_rail_a_fault_slows_bursts_no_more_than_one_built_slow(no_leftovers):
+    """A rate fault that cuts a 200 Mbit/s rail to 50 Mbit/s gives it the bucket of a rail
+    built at 50: its skbs are sized for the lowest rate in the schedule. Sized for 200 Mbit/s
+    they made a 103 KB bucket (16 ms at 50 Mbit/s) that a balancer saw as a rail up to 3x
+    cheaper than it was; the other rail keeps its own skbs."""
+    from testbed.kernel import tc
+    from testbed.model.scenario import build
+    from testbed.run.faults import FaultInjector
+    topo = spec.loads("hosts: 2\nrails:\n  - {name: r0, bandwidth: 200mbit}\n"
+                      "  - {name: r1, bandwidth: 200mbit}\n"
+                      "faults:\n  - {at: 0s, action: rate, target: h2.r1, value: 50mbit}\n")
+    with Fabric(topo) as fab:
+        for name, gso in (("h1.r1", tc.gso_size(50_000_000)), ("h2.r1", 12500),
+                          ("h1.r0", tc.gso_size(200_000_000))):
+            link = fab.links[name]
+            for end in (link.host_end, link.peer_end):
+                assert end.info().gso_max_size == gso, (name, end.info().gso_max_size)
+        inj = FaultInjector(fab, build(topo).faults)
+        inj.start()
+        deadline = time.monotonic() + 3
+        slowed = fab.links["h2.r1"]
+        while slowed.up_shaper.read_back().rate_bps != 50_000_000 \
+                and time.monotonic() < deadline:
+            time.sleep(0.02)
+        cls = next(c for c in slowed.host_end.ipr.get_classes(index=slowed.host_end.index)
+                   if c["handle"] == tc.CLASS_HANDLE)
+        burst = tc.decode_htb_class(cls)["burst"]
+        assert slowed.up_shaper.read_back().rate_bps == 50_000_000
+        inj.stop()
+        assert burst * 8 / 50e6 < 0.006, burst          # < 6 ms at the new rate (was 16)
+
+
 def test_status_reads_shaping_back_from_the_kernel(rates_fabric):
     link = rates_fabric.links["h3.r1"]
     assert link.up_shaper.read_back().rate_bps == pytest.approx(100e6, rel=0.01)

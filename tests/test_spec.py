@@ -371,3 +371,19 @@ def test_readme_limits_table_states_the_limits_in_units():
     assert units.MAX_RATE_BPS == 10 ** 12 and units.MAX_DURATION_S == 86400
     for name in spec.RESERVED_NAMES:
         assert f"`{name}`" in table, name
+
+
+def test_scheduled_rates_are_each_rails_lowest_rate_fault():
+    """What the fabric sizes a rail's skbs for: the lowest rate a fault gives any of its
+    links, whether the fault names the link, the rail or a host; other faults count nothing."""
+    from testbed.model.scenario import scheduled_rates
+    topo = spec.loads("hosts: 3\nrails:\n  - {name: r0, bandwidth: 200mbit}\n"
+                      "  - {name: r1, bandwidth: 200mbit}\n  - {name: r2, bandwidth: 1gbit}\n"
+                      "faults:\n"
+                      "  - {at: 1s, action: rate, target: r1, value: 100mbit, for: 1s}\n"
+                      "  - {at: 3s, action: rate, target: h2.r1, value: 20mbit}\n"
+                      "  - {at: 4s, action: rate, target: h3, value: 150mbit, for: 1s}\n"
+                      "  - {at: 5s, action: traffic, target: r2, value: 900mbit, for: 1s}\n"
+                      "  - {at: 6s, action: link-down, target: r2, for: 1s}\n")
+    assert scheduled_rates(topo) == {"r0": 150_000_000, "r1": 20_000_000, "r2": 150_000_000}
+    assert scheduled_rates(spec.loads("hosts: 2\nrails: [{name: r0}]\n")) == {}

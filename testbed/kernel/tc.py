@@ -13,7 +13,9 @@ Choices (measured on veth with GSO/TSO on, iperf3 TCP, see tests/test_shaping.py
     MTU + 14 and 64 KiB (``gso_size``). With 64 KiB skbs everywhere the bucket was at least
     134 KB: 107 ms at 10 Mbit/s, so a rail that idled a moment passed its next 134 KB at veth
     speed, a burst no real 10 Mbit/s link has. A balancer that measures per-message rates saw
-    such rails 2-4x faster than they are. With 2.5 KB skbs the bucket at 10 Mbit/s is 8 KB
+    such rails 2-4x faster than they are. The slowest rate includes the schedule's rate
+    faults (testbed.model.scenario.scheduled_rates): a rail a fault slows bursts no more
+    than one built at the slowed rate. With 2.5 KB skbs the bucket at 10 Mbit/s is 8 KB
     (6.4 ms); iperf3 over 6 s measured 1.00x the TCP bound at 10, 25 and 50 Mbit/s, 0.994x at
     100 and 0.995x at 200 Mbit/s (64 KiB skbs: 1.018x at 10 Mbit/s, the bucket's burst).
   * quantum = 1 ms worth of bytes at the rate, clamped to [MTU + 14, 200000] (one class only,

@@ -482,3 +482,20 @@ def build(topo) -> Scenario:
 
 def validate(topo) -> None:
     build(topo)
+
+
+def scheduled_rates(topo) -> dict[str, int]:
+    """Per rail, the lowest rate (bit/s) the fault schedule gives any of its links: what the
+    fabric sizes the rail's GSO skbs, and with them its htb buckets, for (Fabric._rail_gso),
+    so that a rail slowed by a fault is no burstier than one built at that rate."""
+    out: dict[str, int] = {}
+    for f in parse_faults(topo.sections.get("faults"), topo):
+        if f.action != "rate":
+            continue
+        if f.target_kind == "host":
+            rails = [r.name for r in topo.rails]
+        else:        # 'r1' or 'h2.r1'
+            rails = [f.target if f.target_kind == "rail" else f.target.split(".", 1)[1]]
+        for rail in rails:
+            out[rail] = min(out.get(rail, f.value), int(f.value))
+    return out
