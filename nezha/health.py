@@ -39,7 +39,8 @@ NEZHA_CHECK_TIMEOUT_MS, NEZHA_HEARTBEAT_MS and NEZHA_HEARTBEAT_TIMEOUT_MS from t
 A failed connection's unacknowledged chunks move to the surviving rails (engine/failover.py)
 and every rank is told (CONTROL "down"): all stop using that rail for data, the split
 restarts COLD for the new rail set at the next estimate exchange. The higher rank of the
-pair re-connects with exponential back-off (PROBE_MIN .. PROBE_MAX), through the same
+pair re-connects with exponential back-off (PROBE_MIN .. PROBE_MAX; each dial waits its step,
+DIAL_MIN .. DIAL_MAX, and one that timed out renews the neighbour entry), through the same
 authenticated handshake as the first connect (``rejoin`` is rendezvous.Rendezvous.rejoin: it
 raises while the path is broken or the peer refuses, e.g. an unauthenticated peer whose end of
 the connection is still alive); on success the rail rejoins (CONTROL "up") once no rank
@@ -71,6 +72,11 @@ CHECK_MEMORY = 2.0     # s a peer's "bytes arrive" answer widens later questions
 WATCHDOG_FACTOR = 3.0
 WATCHDOG_NOMINAL_BPS = 12.5e6   # assumed rail speed (100 Mbit/s) before anything is measured
 PROBE_MIN, PROBE_MAX = 0.1, 1.0
+# a redial's connect waits this long, or its back-off step if longer (Health.probe). A SYN
+# lost because the peer's end of the link was not up yet is resent by the kernel only after
+# 1 s: with a 0.5 s wait, a rail back from a 2 s outage waited 0.8 s for its connection (and
+# the health thread stood still meanwhile); a path with a long RTT gets up to DIAL_MAX
+DIAL_MIN, DIAL_MAX = 0.15, 0.5
 PROBE_UNREACHABLE = 0.1    # s between re-dials of a peer that has no rail at all
 LIVENESS_EVERY = 0.2       # s between "does its process still listen?" checks of such a peer
 RTO_FACTOR = 1.25
@@ -137,6 +143,7 @@ class Health:
         self.refuses = refuses       # peer -> every rail refuses a connection (it exited)
         self.liveness_at: dict[int, float] = {}
         self.rail_addrs = list(rail_addrs)
+        self.rail_ifindex: dict[int, int] = {}   # rail -> our interface on it (link monitor)
         self.watchdog_min = config.watchdog_ms / 1e3
         self.check_timeout = config.check_timeout_ms / 1e3
         self.heartbeat_interval = config.heartbeat_ms / 1e3
@@ -542,12 +549,31 @@ class Health:
             self.last_dial[key] = now
             eng.events.emit("probe", peer=peer, rail=rail, next_in=delay)
             try:
-                self.rejoin(peer, rail)
+                self.rejoin(peer, rail, min(DIAL_MAX, max(DIAL_MIN, delay)))
             except Exception as e:   # still broken: try again later
                 eng.events.emit("probe", peer=peer, rail=rail, ok=False, error=str(e)[:200])
+                if isinstance(e, TimeoutError):
+                    self._renew_neighbour(peer, rail)
                 continue
             self.backoff.pop(key, None)
             self.next_probe.pop(key, None)
+
+    def _renew_neighbour(self, peer: int, rail: int) -> None:
+        """Drop our neighbour entry for ``peer`` on ``rail`` after a dial timed out, so the
+        next dial asks for its address at once. An ARP request lost in the first
+        milliseconds of a link's return (seen on the testbed's bridges) leaves the entry
+        INCOMPLETE, and the kernel asks again only a second later, holding every SYN to that
+        peer meanwhile: a rail back from a 2 s outage took 0.8-1.0 s to reconnect. Needs
+        CAP_NET_ADMIN; without it the kernel's own retry stands."""
+        ifindex = self.rail_ifindex.get(rail)
+        if ifindex is None or self.prober is None:
+            return
+        try:
+            from pyroute2 import IPRoute
+            with IPRoute() as q:
+                q.neigh("del", dst=self.prober.endpoint(peer, rail)[0], ifindex=ifindex)
+        except Exception:       # noqa: BLE001 - no entry, or not allowed: nothing to renew
+            pass
 
     def link_up(self, rail: int) -> None:
         """Our link on ``rail`` is up again (netlink): the failed connections on it are
@@ -593,6 +619,7 @@ class Health:
                         index[msg["index"]] = addrs.index(a)
             if not index or any(a.startswith("127.") for a in addrs):
                 return
+            self.rail_ifindex = {rail: i for i, rail in index.items()}
         except Exception as e:
             self.eng.events.emit("link_monitor", ok=False, error=repr(e)[:200])
             return

@@ -599,12 +599,13 @@ class Rendezvous:
             return False
         return True
 
-    def rejoin(self, peer: int, rail: int) -> None:
-        """Reconnect a failed rail to a lower rank (called by the health thread); raises while
-        it cannot (the path still broken, or the peer refused)."""
+    def rejoin(self, peer: int, rail: int, dial_s: float = 0.5) -> None:
+        """Reconnect a failed rail to a lower rank (called by the health thread), waiting up
+        to ``dial_s`` for the connection; raises while it cannot (the path still broken, or
+        the peer refused)."""
         dest = self.infos[peer]["rails"][rail]
         key = self._rejoin_key(peer, rail)
-        s = self.transport.connect(rail, dest, 0.5, retry=False)
+        s = self.transport.connect(rail, dest, dial_s, retry=False)
         try:
             self._dial_handshake(s, peer, rail, key, True, time.monotonic() + REJOIN_TIMEOUT)
             s.settimeout(None)

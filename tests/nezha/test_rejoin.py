@@ -27,7 +27,7 @@ class Engine(SimpleNamespace):
         return True
 
 
-def broken(peer, rail):
+def broken(peer, rail, dial_s=0.5):
     raise ConnectionError("still broken")
 
 
@@ -82,3 +82,19 @@ def test_redial_is_a_control_frame_a_peer_may_send():
     assert got == [(2, 1)]
     with pytest.raises(ProtocolError, match="unknown rail"):
         Agreement.on_control(eng, None, h, b'{"what": "redial", "rail": 7}')
+
+
+def test_a_redial_waits_briefly_at_first_and_longer_as_its_back_off_grows():
+    """A SYN lost to a link that was not up yet is resent only after 1 s: the first redials
+    give up after DIAL_MIN and dial afresh; the wait grows with the back-off (a long path
+    still connects) up to DIAL_MAX."""
+    from nezha.health import DIAL_MAX, DIAL_MIN
+    waits = []
+
+    def dial(peer, rail, dial_s):
+        waits.append(dial_s)
+        raise TimeoutError("timed out")
+    eng = Engine(rank=1, dead={(0, 1)})
+    h = Health(eng, dial, [])
+    backed_off(h, (0, 1))
+    assert waits == [DIAL_MIN, 0.2, 0.4, DIAL_MAX] and DIAL_MIN < 0.2 and DIAL_MAX < 0.8
