@@ -107,8 +107,9 @@ MIN_SPLIT = 32 << 10
 RAIL_CPU_S = Config.rail_cpu_us * 1e-6
 EXCH_MIN_BYTES = 128 << 10
 REF_SIZE = 16 << 20
-TABLE_COLUMNS = 7      # a rank's table per rail: a, b, samples, last, rise, fall (RailEstimator),
-OVERHEAD_COLUMN = 6    # ...and the rank's rail overhead (the same in every row)
+TABLE_COLUMNS = 8      # a rank's table per rail: a, b, samples, last, rise, fall (RailEstimator),
+OVERHEAD_COLUMN = 6    # ...the rank's rail overhead (the same in every row),
+TAIL_COLUMN = 7        # ...and the cost of the last operation's tail (RailEstimator.tail)
 
 
 def cost_split(nbytes: int, a, b, elem: int = 1, overhead: float = 0.0) -> list[int]:
@@ -207,6 +208,8 @@ class RailEstimator:
         self.a_samples = 0
         self.b_window: deque = deque(maxlen=window)
         self.a_window: deque = deque(maxlen=2 * window)
+        # seconds per byte of the last operation's last messages (costs.ShareCosts._tail)
+        self.tail = float("nan")
 
     def record_a(self, seconds: float):
         if seconds <= 0:
@@ -217,12 +220,13 @@ class RailEstimator:
         self.a = float(min(tuple(self.a_window)))
         self.a_samples += 1
 
-    def record_b(self, nbytes: int, seconds: float):
-        """One operation's bytes on this rail and the time its shares took (costs.py). No
-        bytes in some time is a valid sample: a share the rail did not deliver at all (hedge
-        copies did) costs time all the same."""
+    def record_b(self, nbytes: int, seconds: float, tail: float = float("nan")):
+        """One operation's bytes on this rail, the time its shares took and the cost per byte
+        of its last ones (costs.py). No bytes in some time is a valid sample: a share the
+        rail did not deliver at all (hedge copies did) costs time all the same."""
         if nbytes >= 0 and seconds > 0 and nbytes + seconds > 0:
             self.b_window.append((nbytes, seconds))
+            self.tail = tail
 
     def _samples(self) -> tuple:
         """The window as it is now: one C-level copy, so that a sample the engine records
@@ -286,6 +290,7 @@ class RailEstimator:
 
     def reset(self):
         self.b_window.clear()
+        self.tail = float("nan")
 
 
 class Recent(NamedTuple):
@@ -298,6 +303,7 @@ class Recent(NamedTuple):
     rise_hi: list
     fall_hi: list
     samples: list         # per rail: the fewest samples any rank that sent on it has
+    tail_hi: list         # per rail: the largest cost of the last operation's tail
 
 
 class RailState:
@@ -448,8 +454,9 @@ class RailState:
         Only a rail that slowed jumps faster, back to what it was worth (at most FALL_MAX x
         cheaper in one jump; the worth is kept until it is reached), when every hop's last
         two operations were SHIFT x cheaper than the median earlier one at the same split
-        (RailEstimator.fall), or at once when the slowest hop's last cost is within SHIFT x
-        of the worth; and part of the way when its last cost is SHIFT x below the cost in
+        (RailEstimator.fall), or at once when the slowest hop's last cost, or the cost of the
+        last messages of its last operation (``tail``: a rail that recovered during the
+        operation; its whole cost is part slow), is within SHIFT x of the worth; and part of the way when its last cost is SHIFT x below the cost in
         use (the operation during which the rail recovered is part slow, part fast; a jump
         slower that overshot: 7x for a rail at a quarter): half way on a log scale, since a
         share's cost grows with its size and the last one was measured at a smaller share
@@ -471,7 +478,8 @@ class RailState:
             return None, False
         # no cheaper than before at this split, on some hop: a share-size effect
         same = _usable(rec.rise_hi[r]) and rec.rise_hi[r] > 1 / SHIFT
-        back = hi <= SHIFT * worth and not same
+        tail = rec.tail_hi[r] if r < len(rec.tail_hi) else float("nan")
+        back = min(hi, tail if _usable(tail) else hi) <= SHIFT * worth and not same
         cheaper = hi <= x / SHIFT and not same      # every hop (hi is the slowest's)
         if rec.fall_hi[r] <= 1 / SHIFT or (
                 (back or cheaper) and (self.shift[r] < 0 or not self.doubted[r])):
@@ -610,18 +618,18 @@ class Balancer:
     def record_a(self, rail, seconds):
         self.est[rail].record_a(seconds)
 
-    def record_b(self, rail, nbytes, seconds):
-        self.est[rail].record_b(nbytes, seconds)
+    def record_b(self, rail, nbytes, seconds, tail=float("nan")):
+        self.est[rail].record_b(nbytes, seconds, tail)
 
     # ---- agreement
     def local_table(self) -> np.ndarray:
-        """This rank's [a, b, samples, last, rise, fall] per rail (see RailEstimator) and
-        its rail overhead."""
+        """This rank's [a, b, samples, last, rise, fall] per rail (see RailEstimator), its
+        rail overhead and the last operation's tail cost."""
         t = np.zeros((self.nrails, TABLE_COLUMNS), dtype=np.float64)
         over = rail_overhead(self.rail_cpu_s)
         for r, e in enumerate(self.est):
             t[r] = (e.a if e.a_samples else float("nan"), e.b, len(e.b_window), e.last,
-                    e.rise, e.fall, over)
+                    e.rise, e.fall, over, e.tail)
         return t
 
     def want_exchange(self, nbytes: int) -> bool:
@@ -646,7 +654,7 @@ class Balancer:
         self.ops_since_exchange = 0
         self.pending_s = 0.0
         a, b, counts = [], [], []
-        recent = Recent([], [], [], [], [], counts)
+        recent = Recent([], [], [], [], [], counts, [])
         for r in range(self.nrails):
             col = tables[:, r, :]
             As = col[:, 0][~np.isnan(col[:, 0])]
@@ -655,7 +663,8 @@ class Balancer:
             counts.append(int(sent[:, 2].min()) if len(sent) else 0)
             for values, column, pick in ((b, 1, np.max), (recent.last_lo, 3, np.min),
                                          (recent.last_hi, 3, np.max), (recent.rise_lo, 4, np.min),
-                                         (recent.rise_hi, 4, np.max), (recent.fall_hi, 5, np.max)):
+                                         (recent.rise_hi, 4, np.max), (recent.fall_hi, 5, np.max),
+                                         (recent.tail_hi, TAIL_COLUMN, np.max)):
                 x = sent[:, column]
                 values.append(float(pick(x)) if len(x) and not np.isnan(x).any() else float("nan"))
         # a rail never used for a small message has no start-up estimate: assume the best

@@ -189,8 +189,8 @@ class Context:
         """The operation's per-rail cost samples (costs.py) go to the balancer."""
         with self._engine.cond:
             samples = self._engine.costs.take()
-        for rail, nbytes, seconds in samples:
-            self.balancer.record_b(rail, nbytes, seconds)
+        for rail, nbytes, seconds, tail in samples:
+            self.balancer.record_b(rail, nbytes, seconds, tail)
             if self._config.debug_samples:
                 self.events.emit("b_sample", rail=rail, bytes=nbytes, seconds=seconds, op=op_id)
 

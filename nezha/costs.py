@@ -24,6 +24,7 @@ Each rank measures the hop into it, so the agreement can take the slowest hop of
 from __future__ import annotations
 
 SAMPLE_MIN_OP = 128 << 10     # operations smaller than this give no sample
+TAIL_SHARE = 0.25             # the tail: the last messages carrying this much of a rail's op
 
 
 class ShareCosts:
@@ -33,6 +34,7 @@ class ShareCosts:
     def __init__(self, nrails: int):
         self.nrails = nrails
         self._acc: dict[int, list] = {}
+        self._msgs: dict[int, list] = {}     # per rail: (bytes, seconds) per message, in order
 
     def add_message(self, slot) -> None:
         """A complete receive (engine.messages.RecvSlot with its per-rail times)."""
@@ -66,9 +68,25 @@ class ShareCosts:
             a = self._acc.setdefault(rail, [0, 0.0])
             a[0] += nbytes
             a[1] += seconds
+            self._msgs.setdefault(rail, []).append((nbytes, seconds))
 
-    def take(self) -> list[tuple[int, int, float]]:
-        """[(rail, bytes, seconds)] since the last call."""
-        out = [(r, nb, s) for r, (nb, s) in sorted(self._acc.items())]
+    def take(self) -> list[tuple[int, int, float, float]]:
+        """[(rail, bytes, seconds, tail)] since the last call. ``tail`` is the seconds per
+        byte of the rail's last messages that carry TAIL_SHARE of its bytes (nan with fewer
+        than two messages): what the rail costs at the end of the operation, when it changed
+        during it."""
+        out = [(r, nb, s, self._tail(r, nb)) for r, (nb, s) in sorted(self._acc.items())]
         self._acc.clear()
+        self._msgs.clear()
         return out
+
+    def _tail(self, rail: int, total: int) -> float:
+        msgs = self._msgs.get(rail, [])
+        if len(msgs) < 2:
+            return float("nan")
+        nb = sec = 0.0
+        for n, s in reversed(msgs[1:]):      # never the whole operation
+            nb, sec = nb + n, sec + s
+            if nb >= TAIL_SHARE * total:
+                break
+        return sec / nb if nb > 0 else float("nan")

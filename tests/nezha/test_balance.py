@@ -108,15 +108,17 @@ def hot(bs):
     return bal
 
 
-def one_op(bal, lasts, world=3, counts=1, fall=(np.nan, np.nan), rise=None):
+def one_op(bal, lasts, world=3, counts=1, fall=(np.nan, np.nan), rise=None, tail=None):
     """A table after ``counts`` operations at the same split: ``lasts[rank][rail]`` is the
-    last one's cost per byte, ``fall[rail]`` the fall and ``rise`` (per rail; default 1 after
-    two operations) the rise (RailEstimator), on every rank."""
+    last one's cost per byte, ``fall[rail]`` the fall, ``rise`` (per rail; default 1 after
+    two operations) the rise and ``tail`` (per rail; default unknown) the tail's cost
+    (RailEstimator), on every rank."""
     t = np.full((world, len(lasts[0]), balance.TABLE_COLUMNS), np.nan)
     rise = rise or [1.0 if counts > 1 else np.nan] * len(lasts[0])
     for p in range(world):
         for r, x in enumerate(lasts[p]):
             t[p, r, :6] = (1e-4, np.nan, counts, x, rise[r], fall[r])
+            t[p, r, balance.TAIL_COLUMN] = tail[r] if tail else np.nan
     return bal.agree(t)
 
 
@@ -470,6 +472,21 @@ def test_a_rail_half_way_back_jumps_half_way():
     # nor one that looks cheaper only because its share is smaller (no cheaper than before
     # at this split: a token bucket passes a small share at once)
     assert one_op(bal, [[1e-8, 2.2e-8]] * 3, counts=3) == []
+
+
+def test_a_rail_that_recovered_during_the_operation_is_back_by_its_tail():
+    """The operation during which a rail recovered costs part slow, part fast (2.4x its
+    worth here), but its last messages cost what it was worth: it jumps all the way back at
+    once (half way, it cost a 4 x 2 recovery one more operation at 0.29 of the message:
+    0.996-1.027 s); a tail that says nothing new leaves the half-way jump."""
+    bal = hot([1e-8, 1e-8])
+    one_op(bal, [[1e-8, 4e-8]] * 3)
+    assert one_op(bal, [[1e-8, 2.4e-8]] * 3, tail=[1e-8, 1.1e-8])[0][1]["shifted"] == [1]
+    assert bal.rs.used_b[1] == pytest.approx(1e-8)
+    bal = hot([1e-8, 1e-8])
+    one_op(bal, [[1e-8, 4e-8]] * 3)
+    assert one_op(bal, [[1e-8, 2.4e-8]] * 3, tail=[1e-8, 2.3e-8])[0][1]["shifted"] == [1]
+    assert bal.rs.used_b[1] == pytest.approx(math.sqrt(4e-8 * 2.4e-8))
 
 
 def test_a_jump_back_that_proved_wrong_needs_two_tables_next_time():

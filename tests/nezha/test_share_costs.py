@@ -5,6 +5,8 @@ And hedging itself (engine/hedge.py): a late share is copied onto a finished rai
 rail's own copy stays outstanding for the failure detector, and nothing is counted twice."""
 from __future__ import annotations
 
+import math
+
 import time
 
 import pytest
@@ -39,10 +41,29 @@ def test_each_rail_is_charged_from_when_its_share_could_start_to_its_last_byte()
         # rail 1: still busy with its previous share until 10.03, then done at 10.05
         eng._mark(slot, header(2 << 20, 1 << 20, total, rail=1), 10.031, 10.03, 10.05)
     assert slot.complete
-    costs = dict((r, (nb, s)) for r, nb, s in eng.costs.take())
+    costs = dict((r, (nb, s)) for r, nb, s, _ in eng.costs.take())
     assert costs[0] == (2 << 20, pytest.approx(0.04))
     assert costs[1] == (1 << 20, pytest.approx(0.02))   # not charged for its backlog
     assert eng.costs.take() == []
+
+
+def test_the_tail_is_what_a_rails_last_messages_cost():
+    """A rail that sped up during an operation: its whole sample is part slow, its tail (the
+    last messages carrying a quarter of its bytes, never all of them) is what it costs now."""
+    from types import SimpleNamespace
+    from nezha.costs import ShareCosts
+    costs = ShareCosts(2)
+    t = 10.0
+    for took in (0.04, 0.04, 0.04, 0.01, 0.01):         # five 1 MiB messages on rail 0
+        costs.add_message(SimpleNamespace(rbytes={0: 1 << 20}, t_first={0: t}, t_prev={0: 0.0},
+                                          copied={}, t_last={0: t + took}, pending={}))
+        t += took
+    (rail, nbytes, seconds, tail), = costs.take()
+    assert (rail, nbytes, seconds) == (0, 5 << 20, pytest.approx(0.14))
+    assert tail == pytest.approx(0.01 / (1 << 20))      # 2 MiB: the first to reach 1.25
+    costs.add_message(SimpleNamespace(rbytes={1: 1 << 20}, t_first={1: 0.0}, t_prev={1: 0.0},
+                                      copied={}, t_last={1: 0.03}, pending={}))
+    assert math.isnan(costs.take()[0][3])               # one message: no tail apart from it
 
 
 def test_a_hedged_rail_is_charged_with_its_own_deliveries_only():
@@ -59,11 +80,11 @@ def test_a_hedged_rail_is_charged_with_its_own_deliveries_only():
         eng._mark(slot, header(1 << 20, 1 << 20, total, rail=1), 10.001, 9.0, 10.06)
         eng._mark(slot, header(2 << 20, 1 << 20, total, rail=0, copy_of=1), 10.07, 10.03, 10.08)
     assert slot.complete
-    assert eng.costs.take() == [(0, 1 << 20, pytest.approx(0.03))]
+    assert [t[:3] for t in eng.costs.take()] == [(0, 1 << 20, pytest.approx(0.03))]
     with eng.cond:   # rail 1's own repeat of the rescued frame arrives at 10.2
         eng.costs.late_frame(slot, 1, 1 << 20, 10.2)
         eng.costs.op_ended([slot])
-    assert eng.costs.take() == [(1, 2 << 20, pytest.approx(0.2))]
+    assert [t[:3] for t in eng.costs.take()] == [(1, 2 << 20, pytest.approx(0.2))]
     assert eng.events.rails[0].bytes_recv == 2 << 20    # what came on rail 0
     assert eng.events.rails[1].bytes_recv == 1 << 20
 
@@ -73,7 +94,7 @@ def test_a_hedged_rail_is_charged_with_its_own_deliveries_only():
         eng._mark(slot2, header(2 << 20, 1 << 20, total, rail=0, copy_of=1)._replace(op_id=8),
                   20.07, 20.06, 20.1)
         eng.costs.op_ended([slot2])
-    assert eng.costs.take() == [(0, 2 << 20, pytest.approx(0.06))]
+    assert [t[:3] for t in eng.costs.take()] == [(0, 2 << 20, pytest.approx(0.06))]
 
 
 class FakeConn:
