@@ -18,7 +18,9 @@ rescued bytes that arrive while the operation lasts) over the time to its last s
 the bytes a rescue carried must not make an overloaded rail look fine, and chunks it never
 got to send (the copy won) are not its cost either. Samples are summed per operation (one per
 rail, however small the shares: with 8 or 16 rails or many hosts a share is a few dozen KiB)
-and windowed by the balancer (balance.RailEstimator).
+and windowed by the balancer (balance.RailEstimator), each with its *tail*: the cost of the
+rail's last messages carrying TAIL_SHARE of its bytes, what a rail that changed during the
+operation costs at its end.
 Each rank measures the hop into it, so the agreement can take the slowest hop of the ring.
 """
 from __future__ import annotations
