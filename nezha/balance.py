@@ -65,8 +65,9 @@ return (adaptation_ms 654, before this schedule 3502); iterations during the slo
 the ideal for the 250 Mbit/s left (MPTCP: 2.7x); on steady 300 + 100 Mbit/s rails the split
 moved 3 times in the first 1.1 s and never again in 24 s. With the jump back on the first
 table (``RailState._way_back``) the iterations are back within 1.1x of their pre-slowdown
-time 0.72 s after the return on this shape (1.25 s before), 0.29-0.85 s on the 18 shapes x
-kinds of ``testbed adapt`` (0.53-1.76 s before; README, *A rail that changes*).
+time 0.72 s after the return on this shape (1.25 s before); with the tail (``_way_back``)
+0.25-0.79 s on the 18 shapes x kinds of ``testbed adapt`` at 8ce56e7 (0.53-1.76 s before the
+one-table jump; README, *A rail that changes*).
 """
 from __future__ import annotations
 
@@ -456,8 +457,9 @@ class RailState:
         two operations were SHIFT x cheaper than the median earlier one at the same split
         (RailEstimator.fall), or at once when the slowest hop's last cost, or the cost of the
         last messages of its last operation (``tail``: a rail that recovered during the
-        operation; its whole cost is part slow), is within SHIFT x of the worth; and part of the way when its last cost is SHIFT x below the cost in
-        use (the operation during which the rail recovered is part slow, part fast; a jump
+        operation; its whole cost is part slow), is within SHIFT x of the worth; and part of
+        the way when its last cost is SHIFT x below the cost in use (the operation during
+        which the rail recovered is part slow, part fast; a jump
         slower that overshot: 7x for a rail at a quarter): half way on a log scale, since a
         share's cost grows with its size and the last one was measured at a smaller share
         (to the last cost itself, a rail at a quarter got 0.24 of the message where 0.2 is
@@ -478,8 +480,8 @@ class RailState:
             return None, False
         # no cheaper than before at this split, on some hop: a share-size effect
         same = _usable(rec.rise_hi[r]) and rec.rise_hi[r] > 1 / SHIFT
-        tail = rec.tail_hi[r] if r < len(rec.tail_hi) else float("nan")
-        back = min(hi, tail if _usable(tail) else hi) <= SHIFT * worth and not same
+        latest = min(hi, rec.tail_hi[r]) if _usable(rec.tail_hi[r]) else hi
+        back = latest <= SHIFT * worth and not same
         cheaper = hi <= x / SHIFT and not same      # every hop (hi is the slowest's)
         if rec.fall_hi[r] <= 1 / SHIFT or (
                 (back or cheaper) and (self.shift[r] < 0 or not self.doubted[r])):

@@ -35,7 +35,6 @@ class ShareCosts:
 
     def __init__(self, nrails: int):
         self.nrails = nrails
-        self._acc: dict[int, list] = {}
         self._msgs: dict[int, list] = {}     # per rail: (bytes, seconds) per message, in order
 
     def add_message(self, slot) -> None:
@@ -67,9 +66,6 @@ class ShareCosts:
 
     def _add(self, rail: int, nbytes: int, seconds: float) -> None:
         if seconds > 0:
-            a = self._acc.setdefault(rail, [0, 0.0])
-            a[0] += nbytes
-            a[1] += seconds
             self._msgs.setdefault(rail, []).append((nbytes, seconds))
 
     def take(self) -> list[tuple[int, int, float, float]]:
@@ -77,13 +73,15 @@ class ShareCosts:
         byte of the rail's last messages that carry TAIL_SHARE of its bytes (nan with fewer
         than two messages): what the rail costs at the end of the operation, when it changed
         during it."""
-        out = [(r, nb, s, self._tail(r, nb)) for r, (nb, s) in sorted(self._acc.items())]
-        self._acc.clear()
+        out = []
+        for r, msgs in sorted(self._msgs.items()):
+            nb = sum(n for n, _ in msgs)
+            out.append((r, nb, sum(s for _, s in msgs), self._tail(msgs, nb)))
         self._msgs.clear()
         return out
 
-    def _tail(self, rail: int, total: int) -> float:
-        msgs = self._msgs.get(rail, [])
+    @staticmethod
+    def _tail(msgs: list, total: int) -> float:
         if len(msgs) < 2:
             return float("nan")
         nb = sec = 0.0

@@ -451,16 +451,16 @@ class Fabric:
         """The aggregation service's port on every aggregation rail (nezha.aggwire's)."""
         return _aggregation().PORT
 
-    def _rail_gso(self, rail: str) -> int:
+    def _rail_gso(self, rail: str, scheduled: dict[str, int]) -> int:
         """gso_max_size for every interface of ``rail``: from its slowest link (tc.gso_size),
-        counting the rates the fault schedule will give it. A bucket sized for the built rate's
+        counting the rates the fault schedule will give it (``scheduled``, per rail:
+        scenario.scheduled_rates). A bucket sized for the built rate's
         skbs let a rail that a fault cut to a quarter pass 103 KB (16 ms at its new rate) at
         veth speed after every pause, and a balancer saw its small shares up to 3x cheaper
         than they were."""
         links = [self.topo.link(h, rail) for h in self.topo.hosts]
         rates = [lk.shape.rate_bps for lk in links if lk.shape.rate_bps]
-        scheduled = scheduled_rates(self.topo).get(rail)
-        rates += [scheduled] if scheduled else []
+        rates += [scheduled[rail]] if rail in scheduled else []
         return tc.gso_size(min(rates) if rates else None, max(lk.mtu for lk in links))
 
     def _set_gso(self) -> None:
@@ -499,9 +499,10 @@ class Fabric:
             ns = self.state.ns_name(h)
             self.hosts[h] = Host(h, ns, self._ipr[ns],
                                  {r.name: topo.address(h, r.name) for r in topo.rails})
+        scheduled = scheduled_rates(topo)
         for rail in topo.rails:
             links = []
-            gso = self._rail_gso(rail.name)
+            gso = self._rail_gso(rail.name, scheduled)
             for h in topo.hosts:
                 host = self.hosts[h]
                 peer_ns, peer_if = self._peer_of(h, rail.name)
