@@ -143,7 +143,7 @@ class Context:
         # heartbeats start before the last barrier: a slow rank must not look dead; no rail
         # link events for MPTCP, whose one connection outlives any rail (transport/mptcp.py)
         links = self.rail_addrs if self._transport.link_events else []
-        self._health = Health(self._engine, rdv.rejoin, links, self._config,
+        self._health = Health(self._engine, rdv.redial, links, self._config,
                               refuses=rdv.refuses, prober=self._prober)
         self._health.start()
         rdv.all_connected(deadline)

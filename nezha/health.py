@@ -41,7 +41,7 @@ and every rank is told (CONTROL "down"): all stop using that rail for data, the 
 restarts COLD for the new rail set at the next estimate exchange. The higher rank of the
 pair re-connects with exponential back-off (PROBE_MIN .. PROBE_MAX; each dial waits its step,
 DIAL_MIN .. DIAL_MAX, and one that timed out renews the neighbour entry), through the same
-authenticated handshake as the first connect (``rejoin`` is rendezvous.Rendezvous.rejoin: it
+authenticated handshake as the first connect (``rejoin`` is rendezvous.Rendezvous.redial: it
 raises while the path is broken or the peer refuses, e.g. an unauthenticated peer whose end of
 the connection is still alive); on success the rail rejoins (CONTROL "up") once no rank
 reports it down.
@@ -130,11 +130,11 @@ class RailStalled(CommError):
 
 class Health:
     """Watches one rank's connections. Given what it works with: the engine (connections,
-    estimates, events, CONTROL), ``rejoin(peer, rail)`` which reconnects a failed rail to a
-    lower rank (raises while it is still broken), the rail addresses (for link events) and
+    estimates, events, CONTROL), ``rejoin(peer, rail, dial_s)`` which reconnects a failed rail
+    to a lower rank (raises while it is still broken; does nothing if it is no longer), the rail addresses (for link events) and
     the config (timings)."""
 
-    def __init__(self, eng, rejoin: Callable[[int, int], None], rail_addrs: Sequence[str],
+    def __init__(self, eng, rejoin: Callable[[int, int, float], None], rail_addrs: Sequence[str],
                  config: Config = Config(), refuses: Optional[Callable[[int], bool]] = None,
                  prober: Optional[PathProber] = None):
         self.eng = eng

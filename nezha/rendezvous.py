@@ -194,6 +194,7 @@ class Rendezvous:
         self._accepting: set = set()
         self._lazy_lock = threading.Lock()
         self._peer_locks: dict = {}
+        self._rejoin_lock = threading.Lock()   # one re-dial at a time (rejoin, redial)
         if not self.secret:
             auth.warn(events, f"rank {me.rank}")
 
@@ -599,10 +600,28 @@ class Rendezvous:
             return False
         return True
 
+    def redial(self, peer: int, rail: int, dial_s: float = 0.5) -> None:
+        """The health thread's rejoin: reconnect a failed rail to a lower rank, unless it is
+        no longer failed. Another rejoin (a member's own, which replaces a live connection)
+        may have restored it since the health thread read it as down, and dialling again
+        would replace a fresh connection for nothing (a second rail_up at every peer)."""
+        with self._rejoin_lock:
+            eng = self.engine
+            with eng.cond:
+                conn = eng.conns.get((peer, rail))
+                if conn is not None and conn.alive and (peer, rail) not in eng.dead:
+                    return
+            self._rejoin(peer, rail, dial_s)
+
     def rejoin(self, peer: int, rail: int, dial_s: float = 0.5) -> None:
-        """Reconnect a failed rail to a lower rank (called by the health thread), waiting up
-        to ``dial_s`` for the connection; raises while it cannot (the path still broken, or
-        the peer refused)."""
+        """Reconnect to a lower rank on ``rail``, replacing its connection there (alive or
+        not; without a job secret the peer refuses to replace a live one), waiting up to
+        ``dial_s`` for the connection; raises while it cannot (the path still broken, or the
+        peer refused)."""
+        with self._rejoin_lock:
+            self._rejoin(peer, rail, dial_s)
+
+    def _rejoin(self, peer: int, rail: int, dial_s: float) -> None:
         dest = self.infos[peer]["rails"][rail]
         key = self._rejoin_key(peer, rail)
         s = self.transport.connect(rail, dest, dial_s, retry=False)

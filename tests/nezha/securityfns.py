@@ -291,6 +291,35 @@ def live_rejoin(rank, world, port, secret=None, events=None):
     return out
 
 
+def slow_rejoin(rank, world, port, secret=SECRET, events=None):
+    """Rank 1 rejoins rail 0 over its live connection (with the secret, so it is replaced),
+    and installs the new one 0.3 s after rank 0 has closed the old one: meanwhile rank 1's
+    health thread sees the old connection fail. It must not dial again over the fresh one."""
+    ev = f"{events}.{rank}"
+    out = {}
+    with make_ctx(rank, world, port, 2, timeout=10.0, events=ev, secret=secret) as ctx:
+        ctx.barrier()
+        if rank == 1:
+            rdv = ctx._rdv
+            install = rdv._install
+
+            def late(*a, **kw):
+                time.sleep(0.3)
+                return install(*a, **kw)
+            rdv._install = late
+            try:
+                rdv.rejoin(0, 0)
+            finally:
+                rdv._install = install
+        time.sleep(0.5)
+        ctx.barrier()
+        oks = exact_allreduces(ctx, rank, world, range(4))
+        ctx.barrier()
+    out["oks"] = oks
+    out["events"] = events_of(ev)
+    return out
+
+
 def control_before_first_op(rank, world, port, events=None, secret=None):
     """A rail breaks before any collective: its reports (CONTROL, op_seq still -1) must reach
     every rank, the rail rejoins, and the collectives that follow are exact."""

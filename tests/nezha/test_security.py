@@ -96,6 +96,16 @@ def test_a_rejoin_replaces_a_live_connection_only_when_authenticated(tmp_path, s
                    for e in res[0][1]["events"])
 
 
+def test_a_rejoin_slow_to_install_is_not_dialled_over_by_the_health_thread(tmp_path):
+    res = run_ranks(sf.slow_rejoin, 2, timeout=60, events=str(tmp_path / "ev"))
+    check_job(res)
+    ev1 = res[1][1]["events"]
+    # the window is real: rank 1 saw its old connection fail before the new one was in
+    assert any(e["event"] == "rail_down" and e.get("rail") == 0 for e in ev1), ev1
+    ups = [e for e in res[0][1]["events"] if e["event"] == "rail_up"]
+    assert len(ups) == 1, ups                  # the member's rejoin, not a redial after it
+
+
 def test_replayed_rail_handshake_is_refused(tmp_path):
     res = run_ranks(sf.replay_job, 2, timeout=60, events=str(tmp_path / "ev"))
     check_job(res)
