@@ -1,6 +1,7 @@
 """Measure detection / failover / recovery per fault kind (the README's failover table).
 
-    sudo .venv/bin/python scripts/failover_table.py --hosts 3 --rails 2 [--repeat N] [kinds...]
+    sudo .venv/bin/python scripts/failover_table.py --hosts 3 --rails 2 [--repeat N]
+        [--results DIR] [kinds...]
 
 "hit iteration +ms" is how much longer the iteration in flight at the fault took than the
 median iteration (failover.iteration_stall). Each kind is one testbed run of the scenario tests/test_failover.py uses (16 MiB allreduce on
@@ -40,6 +41,8 @@ def main() -> int:
     ap.add_argument("--rails", type=int, default=2)
     ap.add_argument("--repeat", type=int, default=1)
     ap.add_argument("--json", type=Path, help="write every run's metrics here")
+    ap.add_argument("--results", type=Path,
+                    help="keep each run's results (event logs, plots) in RESULTS/KIND-N")
     ap.add_argument("kinds", nargs="*", default=list(FAULTS))
     a = ap.parse_args()
     rows, dump = [], {}
@@ -48,8 +51,11 @@ def main() -> int:
         passed = 0
         for i in range(a.repeat):
             topo = spec.loads(topology(kind, a.hosts, a.rails))
-            with tempfile.TemporaryDirectory() as d:
-                out = run_topology(topo, Path(d) / topo.name, say=lambda m: None)
+            if a.results:
+                out = run_topology(topo, a.results / f"{kind}-{i + 1}", say=lambda m: None)
+            else:
+                with tempfile.TemporaryDirectory() as d:
+                    out = run_topology(topo, Path(d) / topo.name, say=lambda m: None)
             m = dict(out.metrics)
             stalls = [f.iteration_stall_ms for f in out.metrics.faults
                       if f.iteration_stall_ms is not None]
