@@ -5,7 +5,7 @@
    kernel-level delivery counter (TCP_INFO tcpi_delivered, i.e. TCP ACKs incl. SACKs) has not
    moved and on which no ACK at all (tcpi_last_ack_recv, not even a duplicate) arrived for
    ``stall_limit(rail)`` = max(WATCHDOG_MIN, WATCHDOG_FACTOR * (a_r + 64 KiB * b_r),
-   RTO_FACTOR * tcpi_rto before back-off), is *checked*: the peer is asked over another rail
+   WATCHDOG_RTO * tcpi_rto before back-off), is *checked*: the peer is asked over another rail
    whether bytes still reach it on that connection. Nothing (or no answer within
    CHECK_TIMEOUT) means a black hole, if the probes agree; some means slow, not dead. A
    congested or lossy rail keeps returning ACKs while delivery waits on a retransmission; the
@@ -57,16 +57,15 @@ probe, rail_up, peer_unreachable, peer_reachable.
 """
 from __future__ import annotations
 
-import socket
-import struct
 import threading
 import time
-from typing import Callable, NamedTuple, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from . import wire
 from .config import Config
 from .errors import CommError, PeerClosedError
 from .pathprobe import PROBE_COUNT, PROBE_TIMEOUT_MIN, PathProber
+from .transport.tcpinfo import TcpInfo, tcp_info
 
 CHECK_MEMORY = 2.0     # s a peer's "bytes arrive" answer widens later questions (see check)
 WATCHDOG_FACTOR = 3.0
@@ -79,7 +78,10 @@ PROBE_MIN, PROBE_MAX = 0.1, 1.0
 DIAL_MIN, DIAL_MAX = 0.15, 0.5
 PROBE_UNREACHABLE = 0.1    # s between re-dials of a peer that has no rail at all
 LIVENESS_EVERY = 0.2       # s between "does its process still listen?" checks of such a peer
-RTO_FACTOR = 1.25
+RTO_FACTOR = 1.25       # a question's window and the receiver's silence, in RTOs
+# the watchdog's limit in RTOs (before back-off): no ACK for that long means TCP has timed
+# out; what decides is the peer's count and the probes, and 1.25 cost every black hole 5 ms
+WATCHDOG_RTO = 1.0
 TICK = 0.01
 IDLE_EVERY = 5           # ticks between looks at an idle connection (Health.run)
 RX_FACTOR = 2.0          # the receiver's silence limit, in the sender watchdog's limits...
@@ -87,41 +89,6 @@ RX_FLOOR = 0.1           # ...and at least this (s)
 RX_RECHECK = 0.02        # s before a quiet rail that owed nothing is asked about again
 Q_ARRIVALS, Q_ACKS = 1, 2   # the questions that also go as datagrams (pathprobe.question)
 PROBE_EARLY = 0.3        # of the watchdog's limit: path probes start, so their verdict is in
-
-
-class TcpInfo(NamedTuple):
-    """The TCP_INFO fields the watchdog reads (Linux ``struct tcp_info``)."""
-    delivered: int       # segments delivered (tcpi_delivered)
-    unacked: int         # segments in flight
-    rto: float           # retransmission timeout, s (backed off, if TCP is in back-off)
-    last_ack: float      # s since the last ACK arrived
-    rtt: float           # smoothed RTT, s
-    cwnd: int
-    retrans: int         # total retransmitted segments
-    backoff: int         # RTO back-off count
-
-    @property
-    def rto_base(self) -> float:
-        """The RTO before back-off (each back-off doubles it)."""
-        return self.rto / (1 << min(self.backoff, 16))
-
-    def for_log(self) -> dict:
-        return {"rto_ms": self.rto * 1e3, "rtt_ms": self.rtt * 1e3, "cwnd": self.cwnd,
-                "unacked": self.unacked, "retrans": self.retrans, "backoff": self.backoff}
-
-
-def tcp_info(sock) -> Optional[TcpInfo]:
-    """TCP_INFO of ``sock``, or None where the kernel does not give it (MPTCP, non-Linux)."""
-    try:
-        b = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 232)
-    except OSError:
-        return None
-    if len(b) < 200:
-        return None
-    u32 = lambda off: struct.unpack_from("I", b, off)[0]  # noqa: E731
-    return TcpInfo(delivered=u32(192), unacked=u32(24), rto=u32(8) / 1e6,
-                   last_ack=u32(56) / 1e3, rtt=u32(68) / 1e6, cwnd=u32(80), retrans=u32(100),
-                   backoff=b[4])
 
 
 class RailStalled(CommError):
@@ -266,7 +233,7 @@ class Health:
             # The RTO as it was when delivery last moved: during a black hole
             # TCP backs off (doubles) the current one, which would push the
             # limit further out with every retransmission.
-            limit = max(limit, RTO_FACTOR * min(ti.rto, conn.tcp_rto or ti.rto))
+            limit = max(limit, WATCHDOG_RTO * min(ti.rto, conn.tcp_rto or ti.rto))
             # ...and no ACK at all for as long: a congested or lossy rail still
             # returns (duplicate) ACKs while delivery waits on a retransmission;
             # a black hole returns nothing

@@ -37,7 +37,7 @@ from . import auth
 PROBE_COUNT = 12           # probes per burst
 PROBE_INTERVAL = 0.0005    # s between two probes of a burst
 PROBE_TIMEOUT_MIN = 0.008  # s a probe is given at least before it counts as lost...
-RTT_FACTOR = 2.0           # ...or this many round trips of the reference rail's first answer
+RTT_FACTOR = 1.5           # ...or this many round trips of the reference rail's first answer
 PROBE_TIMEOUT_ALONE = 0.02  # s a probe is given when there is no reference rail
 PROBE_FRESH = 0.1          # s a verdict stands: asked again later, a new burst starts
 REQ, REP = 1, 2

@@ -14,6 +14,7 @@ from collections import deque
 from .. import wire
 from ..config import Config
 from ..errors import CommError, ConfigError, PeerClosedError, ProtocolError
+from .tcpinfo import tcp_info
 
 
 def recv_exact_into(sock, view, what="frame", counter=None) -> bool:
@@ -415,7 +416,14 @@ class Connection:
 
     def arrived_within(self, seconds: float) -> int:
         """Bytes that reached this socket in the last ``seconds`` (from the health thread's
-        samples; the oldest sample if the history is shorter)."""
+        samples; the oldest sample if the history is shorter), and 0 if the kernel says no
+        data segment came in that long. The samples are a health tick (10 ms) apart, so they
+        answer for a longer window than asked: a sender's question 30 ms into a black hole
+        was answered with the 148 KB that arrived just before it, and the rail was failed
+        one watchdog limit later (75 ms instead of 45)."""
+        ti = tcp_info(self.sock) if self.tcp_info_ok else None
+        if ti is not None and ti.last_data_recv >= seconds:
+            return 0
         now, cur = time.monotonic(), self.arrived()
         ref = None
         for t, a in reversed(self.arrivals):
