@@ -268,33 +268,12 @@ def replay_job(rank, world, port, secret=SECRET, events=None):
     return out
 
 
-def live_rejoin(rank, world, port, secret=None, events=None):
+def live_rejoin(rank, world, port, secret=None, events=None, install_delay=0.0):
     """Rank 1 (a member, with the pair's rejoin token) re-dials rail 0 while the connection
     is alive. Without a secret this must be refused (only a failed connection is replaced);
-    with one it is accepted. Either way the job stays exact."""
-    ev = f"{events}.{rank}"
-    out = {}
-    with make_ctx(rank, world, port, 2, timeout=10.0, events=ev, secret=secret) as ctx:
-        ctx.barrier()
-        if rank == 1:
-            try:
-                ctx._rdv.rejoin(0, 0)
-                out["rejoin"] = "accepted"
-            except Exception as e:
-                out["rejoin"] = f"{type(e).__name__}: {e}"
-        time.sleep(0.5)
-        ctx.barrier()
-        oks = exact_allreduces(ctx, rank, world, range(4))
-        ctx.barrier()
-    out["oks"] = oks
-    out["events"] = events_of(ev)
-    return out
-
-
-def slow_rejoin(rank, world, port, secret=SECRET, events=None):
-    """Rank 1 rejoins rail 0 over its live connection (with the secret, so it is replaced),
-    and installs the new one 0.3 s after rank 0 has closed the old one: meanwhile rank 1's
-    health thread sees the old connection fail. It must not dial again over the fresh one."""
+    with one it is accepted. Either way the job stays exact. ``install_delay``: rank 1
+    installs the new connection that long after rank 0 has closed the old one, so its health
+    thread sees the old one fail meanwhile (it must not dial again over the fresh one)."""
     ev = f"{events}.{rank}"
     out = {}
     with make_ctx(rank, world, port, 2, timeout=10.0, events=ev, secret=secret) as ctx:
@@ -304,11 +283,14 @@ def slow_rejoin(rank, world, port, secret=SECRET, events=None):
             install = rdv._install
 
             def late(*a, **kw):
-                time.sleep(0.3)
+                time.sleep(install_delay)
                 return install(*a, **kw)
             rdv._install = late
             try:
                 rdv.rejoin(0, 0)
+                out["rejoin"] = "accepted"
+            except Exception as e:
+                out["rejoin"] = f"{type(e).__name__}: {e}"
             finally:
                 rdv._install = install
         time.sleep(0.5)
