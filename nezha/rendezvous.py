@@ -495,9 +495,8 @@ class Rendezvous:
             eng.conns[(peer, rail)] = conn
             eng.dead.discard((peer, rail))
         if old is not None and old.alive:
+            # not the rail's failure (failover.Failover._replaced): it stays up
             old.fail(ConnectionError("replaced by a rejoined connection"))
-            with eng.cond:
-                eng.dead.discard((peer, rail))
         conn.start()
         if lazy:
             self.events.emit("peer_connected", peer=peer, rail=rail, how=how)

@@ -29,8 +29,15 @@ class Failover:
         # the peer is closing: flush what we queued for it, then close our side
         conn.q.put(None)
 
+    def _replaced(self, conn) -> bool:
+        """A rejoin installed another connection on ``conn``'s rail (rendezvous._install):
+        what ``conn`` does now says nothing about the rail."""
+        return self.conns.get((conn.peer, conn.rail), conn) is not conn
+
     def on_closed(self, conn):
         with self.cond:
+            if self._replaced(conn):
+                return
             self.dead.add((conn.peer, conn.rail))
             if not self.live_rails(conn.peer):
                 self.gone.add(conn.peer)
@@ -56,6 +63,15 @@ class Failover:
     def rail_failed(self, conn, exc):
         peer, rail = conn.peer, conn.rail
         with self.cond:
+            if self._replaced(conn):
+                # its end (an EOF read after the new one was installed, or the replacing
+                # rendezvous failing it) is not the rail's: its unacknowledged chunks go again
+                # on the live rails, the new connection among them; the rail stays up
+                live = self.live_rails(peer) or self.live_rails(peer, data=False)
+                if live:
+                    self._reroute(peer, rail, live)
+                self.cond.notify_all()
+                return
             if (peer, rail) in self.dead:
                 return
             self.dead.add((peer, rail))

@@ -204,6 +204,14 @@ def die_mid_op(rank, world, port, victim=1, nrails=2, timeout=5.0):
         return "finished"
 
 
+def unacked_out(eng, peer: int, rails) -> bool:
+    """Some chunk to ``peer`` is out on one of ``rails`` and not yet acknowledged (call
+    under ``eng.cond``)."""
+    return any(not ch.acked and any(r in ch.out for r in rails)
+               for m in eng.sends.values() if m.dst == peer and not m.complete
+               for ch in m.chunks)
+
+
 def kill_rail_mid_op(rank, world, port, rail=1, count=4 << 20, iters=4, system="nezha",
                      events=None, how="kill", settle=0.0, rail_cpu_us=None):
     """A rail's connections break (or go silent; ``how="kill-all"``: every rail to rank 1
@@ -221,14 +229,25 @@ def kill_rail_mid_op(rank, world, port, rail=1, count=4 << 20, iters=4, system="
 
             def watch():   # break the rail while chunks are in flight on it
                 c = ctx.events.rails[rail]
+                eng = ctx._engine
+                rails = range(2) if how == "kill-all" else [rail]
                 start = c.chunks_sent
                 while c.chunks_sent < start + 3:
                     time.sleep(0.0005)
-                for r in (range(2) if how == "kill-all" else [rail]):
-                    if how in ("kill", "kill-all"):
-                        ctx._debug_kill_rail(1, r)
-                    else:
-                        ctx._debug_blackhole(1, r)
+                # under the engine's lock, so no acknowledgement is taken between the check
+                # and the break: a chunk is out and unacknowledged on the rail at that moment
+                # (three chunks sent is not enough: on a loaded machine all three may be
+                # acknowledged while the ring waits on its other neighbour)
+                while True:
+                    with eng.cond:
+                        if unacked_out(eng, 1, rails):
+                            for r in rails:
+                                if how in ("kill", "kill-all"):
+                                    ctx._debug_kill_rail(1, r)
+                                else:
+                                    ctx._debug_blackhole(1, r)
+                            return
+                    time.sleep(0.0002)
             threading.Thread(target=watch, daemon=True).start()
         for it in range(iters):
             a = inputs[it]

@@ -69,3 +69,48 @@ def test_a_wait_past_its_deadline_names_the_unreachable_peer():
     eng.unreachable[1] = (_time.monotonic() - 2.5, "rail 1: link down")
     with pytest.raises(AllRailsDownError, match=r"rank 1 unreachable for 2\.\d s.*link down"):
         eng.wait(lambda: False, "op 3 step 0 from rank 2", (2,))
+
+
+class _Conn:
+    """Stands in for a transport Connection: records what the engine queues on it."""
+
+    def __init__(self, rail: int):
+        self.peer, self.rail, self.ident = 1, rail, (40000 + rail, 50000 + rail)
+        self.unacked, self.busy_since, self.queued = 0, 0.0, []
+
+    def put(self, item):
+        self.queued.append(item)
+
+
+def test_a_replaced_connection_that_fails_late_leaves_its_rail_up(tmp_path):
+    """A rejoin installed a new connection on rail 0; the old one's end (its EOF read after
+    the install, or the rejoin failing it) is not the rail's: the rail stays live, nobody is
+    told it went down, and the chunks that were out on the old one go out again."""
+    import json
+
+    import numpy as np
+
+    from nezha.balance import Balancer
+    from nezha.config import Config
+    from nezha.engine import Engine
+    from nezha.engine.messages import Desc
+    from nezha.events import Events
+    ev = tmp_path / "ev"
+    eng = Engine(0, 2, 2, Balancer(2), Events(0, 2, str(ev)), Config())
+    old, other = _Conn(0), _Conn(1)
+    eng.conns[(1, 0)], eng.conns[(1, 1)] = old, other
+    msg = eng.send(1, 0, 0, memoryview(np.zeros(1 << 16, "uint8")), Desc(kind=1))
+    on_old = [ch for ch in msg.chunks if ch.rail == 0]
+    assert on_old and old.queued == on_old
+    new = _Conn(0)
+    eng.conns[(1, 0)] = new                 # what rendezvous._install does, under cond
+    before = len(other.queued)
+    eng.on_failed(old, ConnectionError("replaced by a rejoined connection"), protocol=False)
+    eng.on_closed(old)
+    assert eng.live_rails(1) == [0, 1]
+    assert (1, 0) not in eng.dead and 1 not in eng.gone
+    resent = new.queued + other.queued[before:]
+    assert sorted(ch.idx for ch in resent) == sorted(ch.idx for ch in on_old)
+    assert not any(isinstance(x, (bytes, bytearray)) for x in new.queued + other.queued)
+    names = [json.loads(line)["event"] for line in open(ev)]
+    assert "rail_down" not in names, names
