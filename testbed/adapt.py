@@ -8,8 +8,9 @@ rails (``--rate``), runs an ``--size`` allreduce for ``--duration`` and changes 
 
 * ``figures(results_dir)``: the pure computation, from ``timeline.jsonl``,
   ``topology.resolved.yaml``, ``results.json`` and the first host's ``ranks/*.results.jsonl``
-  to pre_ms, ideal_pre_ms, ideal_during_ms, during_x, recovery_ms, post_x (README: *A rail
-  that changes*); unit tests drive it with synthetic files.
+  to pre_ms, ideal_pre_ms, ideal_during_ms, during_x, recovery_ms, post_x and, for
+  ``traffic``, ideal_left_ms and left_x (README: *A rail that changes*); unit tests drive it
+  with synthetic files.
 * ``sweep(...)``: the run loop; ``main(args)``: the ``python -m testbed adapt`` verb.
 """
 from __future__ import annotations
@@ -44,7 +45,7 @@ MAX_HOSTS = 8             # 2 cores: more ranks measure the CPU, not the balance
 MAX_RAILS = 8
 OVERHEAD_S = 5.0          # per run beyond the workload: build, start-up, analysis, plots
 FIGURES = ("pre_ms", "ideal_pre_ms", "ideal_during_ms", "during_ms", "during_x",
-           "recovery_ms", "post_x", "adaptation_ms")
+           "recovery_ms", "post_x", "adaptation_ms", "ideal_left_ms", "left_x")
 
 
 class Cell(NamedTuple):
@@ -142,6 +143,8 @@ class Figures:
     recovery_ms: Optional[float] = None
     post_x: Optional[float] = None
     adaptation_ms: Optional[float] = None
+    ideal_left_ms: Optional[float] = None    # traffic: at what the competing flows left
+    left_x: Optional[float] = None
     wrong_results: Optional[int] = None
     iterations_lost: Optional[int] = None
     rank_errors: Optional[int] = None
@@ -191,6 +194,23 @@ def capacities(topo: dict, fault: dict) -> tuple[float, float]:
         new = 0.0
     before = sum(rates.values())
     return before, before - rate + new
+
+
+def left_capacity(topo: dict, fault: dict, flows: Sequence[dict]) -> Optional[float]:
+    """``traffic``: the sum of the rails' rates with the fault's rail at what its competing
+    flows left, measured: its rate minus the most any one of them delivered (their receivers'
+    count as Ethernet frames, ``received_l2_mbps`` in results.json; the ring runs at its
+    busiest hop). capacities() assumes a fair half; a TCP flow that never pauses takes more
+    from a workload whose flow waits at every ring step (0.6 of a 100 Mbit/s rail). None
+    when no flow of the fault reported."""
+    rail = str(fault.get("target", "")).split(".")[-1]
+    took = [float(f["received_l2_mbps"]) * 1e6 for f in flows
+            if f.get("rail") == rail and f.get("fault", 0) == fault.get("index", 0)
+            and is_num(f.get("received_l2_mbps"))]
+    if not took:
+        return None
+    rates = {r["name"]: _rail_rate(topo, r) for r in topo.get("rails") or []}
+    return sum(rates.values()) - rates[rail] + max(rates[rail] - max(took), 0.0)
 
 
 def ideal_ms(hosts: int, size: int, capacity_bps: float) -> Optional[float]:
@@ -251,12 +271,21 @@ def _iteration_rows(results_dir: Path, host: str) -> list[dict]:
             and all(is_num(r.get(k)) for k in ("t_start", "t_end", "seconds"))]
 
 
-def _metrics(results_dir: Path) -> dict:
+def _results(results_dir: Path) -> dict:
     try:
         doc = json.loads((results_dir / "results.json").read_text())
     except (OSError, ValueError):
         return {}
-    return doc.get("metrics") or {} if isinstance(doc, dict) else {}
+    return doc if isinstance(doc, dict) else {}
+
+
+def _metrics(doc: dict) -> dict:
+    return doc.get("metrics") or {}
+
+
+def _flows(doc: dict) -> list[dict]:
+    flows = (doc.get("detail") or {}).get("flows") or []
+    return [f for f in flows if isinstance(f, dict)]
 
 
 def figures(results_dir: Path | str) -> Figures:
@@ -285,7 +314,12 @@ def figures(results_dir: Path | str) -> Figures:
                                                       w["recovery_ms"], w["counts"])
     f.during_x = _ratio(f.during_ms, f.ideal_during_ms)
     f.post_x = _ratio(w["post_ms"], f.pre_ms)
-    _add_metrics(f, _metrics(d))
+    doc = _results(d)
+    if f.kind == "traffic":
+        left = left_capacity(topo, {**fault, "index": index}, _flows(doc))
+        f.ideal_left_ms = None if left is None else ideal_ms(len(hosts), size, left)
+        f.left_x = _ratio(f.during_ms, f.ideal_left_ms)
+    _add_metrics(f, _metrics(doc))
     _explain(f)
     return f
 
@@ -407,10 +441,13 @@ def describe_kind(kind: str, opts: Options) -> str:
 
 def format_table(kind: str, cells: dict[Cell, dict], opts: Options) -> str:
     """One row per hosts x rails; each column 'nezha/mptcp'; n/m is Nezha's mean iteration
-    time during the change over MPTCP's."""
+    time during the change over MPTCP's; for ``traffic`` also left_x (during over the ideal
+    at what the competing flows left, measured)."""
+    left = kind == "traffic"
     lines = [f"== {describe_kind(kind, opts)}   (columns: nezha/mptcp)",
              f"{'shape':<6}{'ideal pre/dur ms':>17}{'pre ms':>12}{'during_x':>12}"
-             f"{'n/m':>6}{'recovery ms':>14}{'post_x':>12}{'adapt ms':>9}{'wrong/lost':>12}"]
+             + (f"{'left_x':>12}" if left else "")
+             + f"{'n/m':>6}{'recovery ms':>14}{'post_x':>12}{'adapt ms':>9}{'wrong/lost':>12}"]
     for h in opts.hosts:
         for r in opts.rails:
             base = Cell(h, r, kind, opts.systems[0])
@@ -429,7 +466,8 @@ def format_table(kind: str, cells: dict[Cell, dict], opts: Options) -> str:
             lines.append(
                 f"{base.shape:<6}{ideal:>17}{_pair(cells, base, 'pre_ms', '.0f', 12)}"
                 f"{_pair(cells, base, 'during_x', '.2f', 12)}"
-                f"{_num(during_ratio(cells, base), '.2f'):>6}"
+                + (_pair(cells, base, 'left_x', '.2f', 12) if left else "")
+                + f"{_num(during_ratio(cells, base), '.2f'):>6}"
                 f"{_pair(cells, base, 'recovery_ms', '.0f', 14)}"
                 f"{_pair(cells, base, 'post_x', '.2f', 12)}"
                 f"{_num(nez.get('adaptation_ms'), '.0f'):>9}{wrong:>12}"
@@ -441,6 +479,7 @@ def summarize(cells: dict[Cell, dict], opts: Options) -> dict:
     """Nezha against the issue's targets, over every shape and kind that ran."""
     nez = {c: v for c, v in cells.items() if c.system == "nezha"}
     during = {c: v["during_x"] for c, v in nez.items()}
+    left = {c: v.get("left_x") for c, v in nez.items() if c.kind == "traffic"}
     rec = {c: v["recovery_ms"] for c, v in nez.items()}
     ratios = {c: during_ratio(cells, c) for c in nez}
 
@@ -457,6 +496,7 @@ def summarize(cells: dict[Cell, dict], opts: Options) -> dict:
         "during_x_met": sum(1 for v in during.values() if v is not None and
                             v <= TARGET_DURING_X),
         "during_x_worst": worst(during),
+        "left_x_worst": worst(left),
         "compared": sum(1 for v in ratios.values() if v is not None),
         "nezha_le_mptcp": sum(1 for v in ratios.values() if v is not None and v <= 1.0),
         "ratio_worst": worst({c: v for c, v in ratios.items() if v is not None}),
@@ -487,6 +527,9 @@ def format_summary(s: dict) -> str:
         f"== targets over {n} nezha shapes x kinds:",
         f"   during_x <= {TARGET_DURING_X}: {s['during_x_met']}/{n}"
         f"{at(s['during_x_worst'], '.2f')} {verdict(s['during_x_met'], n)}",
+        *([f"   left_x, traffic against what the competing flows left (measured)"
+           f"{at(s['left_x_worst'], '.2f')}: not a target; during_x above it is what they "
+           f"took beyond a fair half of r1"] if s.get("left_x_worst") else []),
         f"   nezha <= mptcp (mean iteration during): {s['nezha_le_mptcp']}/{s['compared']}"
         f"{at(s['ratio_worst'], '.2f', 'x')} {verdict(s['nezha_le_mptcp'], s['compared'])}"
         + ("" if s["compared"] else " (no mptcp runs)"),

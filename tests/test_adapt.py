@@ -57,7 +57,8 @@ def timeline_rows(post: float = 0.22, recover: float = 0.21) -> list[dict]:
 
 def fake_results(d: Path, fault: dict, hosts: int = 2, rails: int = 2, system: str = "nezha",
                  rows: list[dict] | None = None, metrics: dict | None = None,
-                 link_rates: dict[str, int] | None = None) -> Path:
+                 link_rates: dict[str, int] | None = None,
+                 flows: list[dict] | None = None) -> Path:
     """A results folder as the runner writes it, with only what `figures` reads."""
     names = [f"h{i + 1}" for i in range(hosts)]
     topo = {"name": "fake", "hosts": names,
@@ -79,7 +80,8 @@ def fake_results(d: Path, fault: dict, hosts: int = 2, rails: int = 2, system: s
         (d / "ranks" / f"00-{system}-{h}.results.jsonl").write_text(
             "".join(json.dumps(r) + "\n" for r in its + [summary]) + "{garbled\n")
     m = {"wrong_results": 0, "iterations_lost": 0, "rank_errors": 0, "adaptation_ms": 654.0}
-    (d / "results.json").write_text(json.dumps({"metrics": {**m, **(metrics or {})}}))
+    (d / "results.json").write_text(json.dumps({"metrics": {**m, **(metrics or {})},
+                                                "detail": {"flows": flows or []}}))
     return d
 
 
@@ -110,6 +112,25 @@ def test_each_kinds_figures_from_a_results_folder(tmp_path, kind, during_mbit):
     assert f.counts == {"pre": 11, "during": 13, "during_whole": 13, "post": 10}
     assert (f.wrong_results, f.iterations_lost, f.adaptation_ms) == (0, 0, 654.0)
     assert f.notes == []
+
+
+def test_left_x_is_during_over_the_ideal_at_what_the_busiest_competing_flow_left(tmp_path):
+    # the flows on r1 took 120 and 110 Mbit/s of frames (not the fair 100): r1 left 80 on
+    # its busiest hop; a flow of another rail or fault does not count
+    flows = [{"fault": 0, "rail": "r1", "received_l2_mbps": 120.0},
+             {"fault": 0, "rail": "r1", "received_l2_mbps": 110.0},
+             {"fault": 0, "rail": "r0", "received_l2_mbps": 190.0},
+             {"fault": 1, "rail": "r1", "received_l2_mbps": 190.0}]
+    f = figures(fake_results(tmp_path / "t", FAULTS["traffic"], flows=flows))
+    assert f.ideal_during_ms == pytest.approx(ideal(2, 300))
+    assert f.ideal_left_ms == pytest.approx(ideal(2, 280))
+    assert f.left_x == pytest.approx(300.0 / ideal(2, 280))
+    assert figures(fake_results(tmp_path / "none", FAULTS["traffic"])).left_x is None
+    assert figures(fake_results(tmp_path / "rate", FAULTS["rate"], flows=flows)).left_x is None
+    cells = aggregate([_row(Cell(2, 2, "traffic", "nezha"), left_x=1.07)])
+    assert "1.07/-" in format_table("traffic", cells, Options(hosts=(2,), rails=(2,)))
+    assert "left (measured) (worst 1.07: traffic 2x2): not a target" in format_summary(summarize(
+        cells, Options(hosts=(2,), rails=(2,))))
 
 
 def test_ideal_counts_2_n_minus_1_over_n_and_the_slowest_link_of_a_rail(tmp_path):
