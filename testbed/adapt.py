@@ -2,9 +2,10 @@
 
 A balancer tuned on one slowing-rail file can still lag on a shape nobody ran. So this module
 runs a matrix: for each hosts x rails x kind of change x system it builds a topology of equal
-rails (``--rate``), runs an ``--size`` allreduce for ``--duration`` and changes rail r1 at
-``--at`` (kinds: ``rate`` r1 to a quarter of its rate, ``traffic`` competing TCP flows offered
-3/4 of it, ``down`` r1 down), then reads per-iteration times from the run's results folder:
+rails (``--rate``), runs an ``--size`` allreduce for ``--duration`` and changes ``--target`` (rail
+r1 unless told: another rail, or one host's link ``hK.rN``) at ``--at`` (kinds: ``rate`` to a
+quarter of its rate, ``traffic`` competing TCP flows offered 3/4 of it, ``down`` link-down),
+then reads per-iteration times from the run's results folder:
 
 * ``figures(results_dir)``: the pure computation, from ``timeline.jsonl``,
   ``topology.resolved.yaml``, ``results.json`` and the first host's ``ranks/*.results.jsonl``
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import statistics
 import sys
 import time
@@ -34,8 +36,8 @@ from testbed.model.units import (format_duration, format_rate, format_size, pars
 MIB = 1 << 20
 KINDS = ("rate", "traffic", "down")
 SYSTEMS = ("nezha", "mptcp")
-FAULT_RAIL = "r1"
-RATE_DIVISOR = 4          # rate: r1 falls to a quarter of its rate
+FAULT_TARGET = "r1"       # what changes, unless --target says otherwise
+RATE_DIVISOR = 4          # rate: the target falls to a quarter of its rate
 TRAFFIC_SHARE = 0.75      # traffic: each TCP flow offered 3/4 of the rate (150 of 200 Mbit/s)
 SETTLE_S = 1.0            # during starts 1 s after the change, post 1 s after the return
 RECOVERED = 1.1           # recovered: the first iteration within 1.1x pre_ms
@@ -80,6 +82,7 @@ class Options:
     for_s: float = 5.0          # rate and traffic
     down_for_s: float = 3.0     # down
     repeat: int = 1
+    target: str = FAULT_TARGET  # a rail rN, or one host's link hK.rN
 
     def fault_s(self, kind: str) -> float:
         return self.down_for_s if kind == "down" else self.for_s
@@ -95,15 +98,43 @@ class Options:
 
 # ------------------------------------------------------------------------------ the topology
 def fault_doc(kind: str, opts: Options) -> dict:
-    """The change on r1, as a fault of the topology file."""
-    base = {"at": format_duration(opts.at_s), "target": FAULT_RAIL,
+    """The change of ``opts.target``, as a fault of the topology file. ``traffic`` loads a
+    rail: for a link hK.rN, the rail rN between hK and the next host (one flow each way)."""
+    base = {"at": format_duration(opts.at_s), "target": opts.target,
             "for": format_duration(opts.fault_s(kind))}
     if kind == "rate":
         return {**base, "action": "rate", "value": format_rate(opts.rate_bps / RATE_DIVISOR)}
     if kind == "traffic":
+        host, rail = _split_target(opts.target)
+        pair = {} if host is None else {"target": f"r{rail}",
+                                        "between": [f"h{host}", f"h{host + 1}"]}
         return {**base, "action": "traffic",
-                "value": format_rate(opts.rate_bps * TRAFFIC_SHARE)}
+                "value": format_rate(opts.rate_bps * TRAFFIC_SHARE), **pair}
     return {**base, "action": "link-down"}
+
+
+def _split_target(target: str) -> tuple[Optional[int], int]:
+    """'r2' -> (None, 2); 'h3.r1' -> (3, 1); anything else: SpecError naming --target."""
+    m = re.fullmatch(r"(?:h([1-9][0-9]*)\.)?r([0-9]+)", target)
+    if not m:
+        raise SpecError("--target", repr(target), "a rail such as r1, or one host's link such "
+                        "as h2.r1")
+    return (int(m.group(1)) if m.group(1) else None), int(m.group(2))
+
+
+def _check_target(o: Options) -> None:
+    """The target must exist in every cell: its rail below the fewest rails, its host (and,
+    for traffic, the next one) within the fewest hosts."""
+    host, rail = _split_target(o.target)
+    if rail >= min(o.rails):
+        raise SpecError("--target", repr(o.target), f"a rail r0..r{min(o.rails) - 1} (the "
+                        f"smallest --rails is {min(o.rails)})")
+    last = min(o.hosts) - (1 if "traffic" in o.kinds else 0)
+    if host is not None and host > last:
+        raise SpecError("--target", repr(o.target), f"a host h1..h{last} (the smallest "
+                        f"--hosts is {min(o.hosts)}"
+                        + ("; traffic loads the link to the next host)" if last < min(o.hosts)
+                           else ")"))
 
 
 def topology_doc(cell: Cell, opts: Options) -> dict:
@@ -113,7 +144,8 @@ def topology_doc(cell: Cell, opts: Options) -> dict:
     return {
         "name": cell.name,
         "description": (f"adapt benchmark: {cell.hosts} hosts x {cell.rails} rails of "
-                        f"{format_rate(opts.rate_bps)}, {cell.system}, {cell.kind} on r1"),
+                        f"{format_rate(opts.rate_bps)}, {cell.system}, {cell.kind} on "
+                        f"{opts.target}"),
         "hosts": cell.hosts,
         "rails": [{"name": f"r{i}", "bandwidth": format_rate(opts.rate_bps)}
                   for i in range(cell.rails)],
@@ -432,10 +464,13 @@ def _pair(cells: dict[Cell, dict], cell: Cell, key: str, spec: str, width: int) 
 def describe_kind(kind: str, opts: Options) -> str:
     """What the change of a kind is, in words (the table's title)."""
     rate, at, fs = format_rate(opts.rate_bps), f"{opts.at_s:g} s", f"{opts.fault_s(kind):g} s"
-    what = {"rate": f"r1 {rate} -> {format_rate(opts.rate_bps / RATE_DIVISOR)}",
+    t = opts.target
+    host, rail = _split_target(t)
+    where = f"r{rail}" if host is None else f"r{rail} between h{host} and h{host + 1}"
+    what = {"rate": f"{t} {rate} -> {format_rate(opts.rate_bps / RATE_DIVISOR)}",
             "traffic": (f"competing TCP flows offered {format_rate(opts.rate_bps * TRAFFIC_SHARE)}"
-                        f" on r1 ({rate})"),
-            "down": "r1 link-down"}[kind]
+                        f" on {where} ({rate})"),
+            "down": f"{t} link-down"}[kind]
     return f"{kind}: {what} at {at} for {fs}"
 
 
@@ -529,7 +564,7 @@ def format_summary(s: dict) -> str:
         f"{at(s['during_x_worst'], '.2f')} {verdict(s['during_x_met'], n)}",
         *([f"   left_x, traffic against what the competing flows left (measured)"
            f"{at(s['left_x_worst'], '.2f')}: not a target; during_x above it is what they "
-           f"took beyond a fair half of r1"] if s.get("left_x_worst") else []),
+           f"took beyond a fair half of the rail"] if s.get("left_x_worst") else []),
         f"   nezha <= mptcp (mean iteration during): {s['nezha_le_mptcp']}/{s['compared']}"
         f"{at(s['ratio_worst'], '.2f', 'x')} {verdict(s['nezha_le_mptcp'], s['compared'])}"
         + ("" if s["compared"] else " (no mptcp runs)"),
@@ -694,18 +729,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hosts", default="2,3,4", help="host counts (default 2,3,4)")
     p.add_argument("--rails", default="2,3", help="rail counts (default 2,3)")
     p.add_argument("--kinds", default=",".join(KINDS),
-                   help="changes of r1: rate (to a quarter), traffic (competing TCP flows "
-                   "offered 3/4 of the rate), down (link-down); default rate,traffic,down")
+                   help="changes of the target: rate (to a quarter), traffic (competing TCP "
+                   "flows offered 3/4 of the rate), down (link-down); default "
+                   "rate,traffic,down")
+    p.add_argument("--target", default=FAULT_TARGET,
+                   help="what changes: a rail (r0, r1, ...) or one host's link (h2.r1; "
+                   "traffic then loads the rail between h2 and h3); default r1")
     p.add_argument("--systems", default=",".join(SYSTEMS),
                    help="nezha, mptcp (default both)")
     p.add_argument("--rate", default="200mbit", help="every rail's rate (default 200mbit)")
     p.add_argument("--size", default="8MiB", help="allreduce size (default 8MiB)")
     p.add_argument("--duration", default="14s", help="workload duration (default 14s)")
-    p.add_argument("--at", default="4s", help="when r1 changes, from the workload's start "
-                   "(default 4s)")
+    p.add_argument("--at", default="4s", help="when the target changes, from the workload's "
+                   "start (default 4s)")
     p.add_argument("--for", dest="for_", default="5s", metavar="FOR",
                    help="how long a rate or traffic change lasts (default 5s)")
-    p.add_argument("--down-for", default="3s", help="how long r1 stays down (default 3s)")
+    p.add_argument("--down-for", default="3s", help="how long the target stays down "
+                   "(default 3s)")
     p.add_argument("--repeat", type=int, default=1,
                    help="runs per cell; the tables show the median (default 1)")
     p.add_argument("--out", help="folder (default results/adapt-TIMESTAMP)")
@@ -745,15 +785,16 @@ def options_from(args) -> Options:
                 at_s=parse_duration(args.at, "--at"),
                 for_s=parse_duration(args.for_, "--for", allow_zero=False),
                 down_for_s=parse_duration(args.down_for, "--down-for", allow_zero=False),
-                repeat=args.repeat)
+                repeat=args.repeat, target=args.target)
     if o.size < 1:
         raise SpecError("--size", f"{args.size!r} is empty", "a size such as 8MiB")
     if o.rate_bps * TRAFFIC_SHARE < 1e6 or o.rate_bps / RATE_DIVISOR < 1e6:
         raise SpecError("--rate", f"{args.rate!r} is too slow", "at least 4mbit (the rate "
-                        "fault takes r1 to a quarter of it)")
+                        "fault takes the target to a quarter of it)")
     if not 1 <= o.repeat <= 100:
         raise SpecError("--repeat", f"{o.repeat}", "a whole number from 1 to 100")
     _check_timing(o)
+    _check_target(o)
     return o
 
 

@@ -233,6 +233,10 @@ def test_every_default_cell_is_a_valid_topology_with_the_issues_fault():
     (["--for", "1s"], "--for", "more than 1s"),
     (["--down-for", "500ms"], "--down-for", "more than 1s"),
     (["--repeat", "0"], "--repeat", "from 1 to 100"),
+    (["--target", "r3"], "--target", "a rail r0..r1 (the smallest --rails is 2)"),
+    (["--target", "eth0"], "--target", "a rail such as r1, or one host's link"),
+    (["--target", "h4.r0", "--hosts", "2,4"], "--target", "a host h1..h1"),
+    (["--target", "h4.r0", "--kinds", "rate", "--hosts", "3"], "--target", "a host h1..h3 ("),
 ])
 def test_bad_arguments_name_the_flag_and_what_is_valid(capsys, argv, flag, accepted):
     assert cli.main(["adapt", *argv]) == 2
@@ -249,6 +253,25 @@ def test_timing_options_scale_the_fault():
     assert (opts.duration_s, opts.at_s, opts.for_s, len(opts.runs())) == (8.0, 3.0, 3.0, 1)
     fault = topology_doc(opts.cells()[0], opts)["faults"][0]
     assert (fault["at"], fault["for"], fault["value"]) == ("3s", "3s", "50mbit")
+
+
+def test_another_target_is_the_changed_rail_or_link_and_the_ideal_follows_it(tmp_path):
+    from testbed.adapt import options_from
+    args = cli.build_parser().parse_args(["adapt", "--target", "h2.r0", "--hosts", "3",
+                                          "--rails", "2"])
+    opts = options_from(args)
+    docs = {k: topology_doc(Cell(3, 2, k, "nezha"), opts) for k in KINDS}
+    for kind, doc in docs.items():
+        [fault] = scenario.build(spec.parse(doc)).faults
+        if kind == "traffic":      # a rail's load: r0 between h2 and the next host
+            assert (fault.target, fault.between) == ("r0", ("h2", "h3"))
+        else:
+            assert fault.target == "h2.r0"
+    # one link of r0 at a quarter slows r0's whole ring
+    f = figures(fake_results(tmp_path / "l", docs["rate"]["faults"][0], hosts=3))
+    assert f.ideal_during_ms == pytest.approx(ideal(3, 50 + 200))
+    assert "h2.r0 200mbit -> 50mbit" in format_table("rate", {}, opts)
+    assert "on r0 between h2 and h3" in format_table("traffic", {}, opts)
 
 
 # ------------------------------------------------------------------------------------ output
