@@ -466,7 +466,7 @@ class RailState:
         right). Waiting for a second table cost each recovery an operation at the slow
         split: on 2 rails the iterations took 0.94-1.76 s to get back within 1.1x (adapt
         matrix), 0.55-0.85 s without. Not when the last operation was no cheaper than
-        earlier ones at the same split on some hop (``rise``): then the rail looks cheaper
+        earlier ones at the same split on every hop (``rise``): then the rail looks cheaper
         only because its share is smaller. A share's
         cost depends on its size (a token bucket that refilled while the rail idled passes
         a small share at once), so a jump back can be wrong: the next table sends the rail
@@ -478,8 +478,10 @@ class RailState:
         worth = self.worth[r]
         if not worth:
             return None, False
-        # no cheaper than before at this split, on some hop: a share-size effect
-        same = _usable(rec.rise_hi[r]) and rec.rise_hi[r] > 1 / SHIFT
+        # no hop cheaper than before at this split: a share-size effect. (Not "some hop no
+        # cheaper": a hop that never slowed never gets cheaper, so one host's link back from
+        # a slowdown, h2.r0 on 3 x 2, waited a table more at its slow share)
+        same = _usable(rec.rise_lo[r]) and rec.rise_lo[r] > 1 / SHIFT
         latest = min(hi, rec.tail_hi[r]) if _usable(rec.tail_hi[r]) else hi
         back = latest <= SHIFT * worth and not same
         cheaper = hi <= x / SHIFT and not same      # every hop (hi is the slowest's)
@@ -709,10 +711,12 @@ class Balancer:
     def _restart_windows(self) -> None:
         for e in self.est:
             e.reset()
-        # a rail's way back is judged against what it was worth, whatever the split: a move
-        # meanwhile does not restart its confirmation (it did: on 2 x 2 a rail back from a
-        # slowdown waited two more operations at its slow share, adapt matrix)
-        self.rs.shift = [min(0, s) for s in self.rs.shift]
+        # a change is judged against the cost in use and what the rail was worth, whatever
+        # the split: a move meanwhile does not restart its confirmation. It did: on 2 x 2 a
+        # rail back from a slowdown waited two more operations at its slow share (adapt
+        # matrix); one host's link at a quarter (h2.r0 on 3 x 2) was slower on two hops in
+        # the first table, whose damped move cleared that, and the jump came at the third
+        # table, 1.5 s after the change, not the second (RailState.shift is kept)
 
     # ---- the split
     def split(self, nbytes: int, elem: int, live=None) -> list[tuple[int, int, int]]:

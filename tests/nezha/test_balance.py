@@ -108,16 +108,19 @@ def hot(bs):
     return bal
 
 
-def one_op(bal, lasts, world=3, counts=1, fall=(np.nan, np.nan), rise=None, tail=None):
+def one_op(bal, lasts, world=3, counts=1, fall=(np.nan, np.nan), rise=None, tail=None,
+           rises=None, bs=None):
     """A table after ``counts`` operations at the same split: ``lasts[rank][rail]`` is the
     last one's cost per byte, ``fall[rail]`` the fall, ``rise`` (per rail; default 1 after
     two operations) the rise and ``tail`` (per rail; default unknown) the tail's cost
-    (RailEstimator), on every rank."""
+    (RailEstimator), on every rank; ``rises`` and ``bs`` (per rank and rail) a rise and an
+    estimate that differ between ranks (default: ``rise``, none)."""
     t = np.full((world, len(lasts[0]), balance.TABLE_COLUMNS), np.nan)
     rise = rise or [1.0 if counts > 1 else np.nan] * len(lasts[0])
     for p in range(world):
         for r, x in enumerate(lasts[p]):
-            t[p, r, :6] = (1e-4, np.nan, counts, x, rise[r], fall[r])
+            t[p, r, :6] = (1e-4, bs[p][r] if bs else np.nan, counts, x,
+                           rises[p][r] if rises else rise[r], fall[r])
             t[p, r, balance.TAIL_COLUMN] = tail[r] if tail else np.nan
     return bal.agree(t)
 
@@ -256,6 +259,30 @@ def test_one_slow_hop_must_show_twice_and_a_faster_rail_at_the_same_split():
     one_op(bal, [[1e-8, 0.5e-8]] * 3, counts=6, fall=(1.0, 0.2))
     assert bal.rs.used_b[1] == pytest.approx(1e-8)            # what it was worth, not less
     assert bal.rs.shares()[1] == pytest.approx(0.5, abs=1e-3)
+
+
+def test_one_hosts_link_that_slows_is_followed_at_the_second_table_and_back_by_its_tail():
+    """One host's link on rail 1 at a quarter: two hops of the ring (into and out of that
+    host) slow, the third does not. The first table moves the split a damped step towards
+    the estimates (the slow hops' windows already hold some slow operations); the second,
+    after that move, must still count as the confirmation (it did not: the jump came at
+    the third table, 1.5 s after the change on 3 x 2). Back: the slow hops are cheaper at
+    the same split and the tail is what the rail was worth; the hop that never slowed is no
+    cheaper, and must not hold the jump back (it did: one more operation at 0.22)."""
+    bal = hot([1e-8, 1e-8])
+    slow = [[1e-8, 1e-8], [1e-8, 3.3e-8], [1e-8, 1.9e-8]]
+    evs = one_op(bal, slow, counts=8, bs=[[1e-8, 1e-8], [1e-8, 1.2e-8], [1e-8, 1.1e-8]],
+                 rises=[[1.0, 1.0], [1.0, 3.3], [1.0, 1.9]])
+    assert evs and "shifted" not in evs[0][1] and bal.rs.used_b[1] > 1e-8   # damped
+    worth = bal.rs.used_b[1]
+    evs = one_op(bal, [[1e-8, 1e-8], [1e-8, 4e-8], [1e-8, 3.9e-8]])
+    assert evs and evs[0][1]["shifted"] == [1]
+    assert bal.rs.used_b[1] == pytest.approx(4e-8)
+    assert one_op(bal, [[1e-8, 1e-8], [1e-8, 4e-8], [1e-8, 4e-8]], counts=2) == []
+    evs = one_op(bal, [[0.9e-8, 1e-8], [1e-8, 2.6e-8], [1e-8, 2.7e-8]], counts=3,
+                 rises=[[1.0, 1.01], [1.0, 0.64], [1.0, 0.67]], tail=[1e-8, 1.1e-8])
+    assert evs and evs[0][1]["shifted"] == [1]
+    assert bal.rs.used_b[1] == pytest.approx(worth)           # what it was worth
 
 
 def test_a_rail_that_never_slowed_does_not_jump_faster():
