@@ -137,6 +137,15 @@ def test_configured_loss_is_what_crosses(no_leftovers):
         assert caps.loss_method in ("netem", "nftables")
 
 
+def test_a_probe_sender_slow_to_start_is_not_counted_as_loss(no_leftovers, monkeypatch):
+    """The loss probe's sender starting 2.5 s late (a loaded CI machine) is not loss: an idle
+    timeout in the receiver once counted 100 % on a link set to 5 %."""
+    monkeypatch.setattr(probes, "_UDP_TX", "import time; time.sleep(2.5)\n" + probes._UDP_TX)
+    topo = spec.loads("hosts: 2\nrails: [{name: r0, bandwidth: 100mbit}]\n")
+    with Fabric(topo) as fab:
+        assert probes.udp_loss(fab, "h1", "h2", "r0", count=2000) < 0.01
+
+
 @pytest.mark.timing            # 10 000 UDP probes: a receiver starved of CPU by a loaded machine
 @pytest.mark.flaky(reruns=1, reruns_delay=2)   # drops some itself (seen once in a full suite)
 def test_rail_loss_applies_on_each_hop(no_leftovers):
