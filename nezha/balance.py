@@ -108,9 +108,10 @@ MIN_SPLIT = 32 << 10
 RAIL_CPU_S = Config.rail_cpu_us * 1e-6
 EXCH_MIN_BYTES = 128 << 10
 REF_SIZE = 16 << 20
-TABLE_COLUMNS = 8      # a rank's table per rail: a, b, samples, last, rise, fall (RailEstimator),
+TABLE_COLUMNS = 9      # a rank's table per rail: a, b, samples, last, rise, fall (RailEstimator),
 OVERHEAD_COLUMN = 6    # ...the rank's rail overhead (the same in every row),
-TAIL_COLUMN = 7        # ...and the cost of the last operation's tail (RailEstimator.tail)
+TAIL_COLUMN = 7        # ...the cost of the last operation's tail (RailEstimator.tail)
+TAIL_RISE_COLUMN = 8   # ...and that tail over the earlier operations at the same split
 
 
 def cost_split(nbytes: int, a, b, elem: int = 1, overhead: float = 0.0) -> list[int]:
@@ -275,6 +276,16 @@ class RailEstimator:
         return costs[-1] / float(np.median(costs[:-1]))
 
     @property
+    def tail_rise(self) -> float:
+        """The last operation's tail over the median earlier operation at the same split (nan
+        before two samples): well below 1 when the rail got faster during the operation, which
+        its whole cost (``rise``, part slow and part fast) may not show."""
+        costs = self._costs()
+        if len(costs) < 2 or not _usable(self.tail):
+            return float("nan")
+        return self.tail / float(np.median(costs[:-1]))
+
+    @property
     def fall(self) -> float:
         """The costlier of the last two operations over the median earlier one at the same
         split, leaving out the first operation after the move (nan before FALL_SAMPLES): < 1
@@ -297,7 +308,7 @@ class RailEstimator:
 class Recent(NamedTuple):
     """What the ranks' last operations say, per rail, over the ranks that sent on it (nan
     where some of them cannot tell): the least and largest last cost per byte, the least
-    and largest ``rise`` and the largest ``fall`` (RailEstimator)."""
+    and largest ``rise``, the largest ``fall`` and the least ``tail_rise`` (RailEstimator)."""
     last_lo: list
     last_hi: list
     rise_lo: list
@@ -305,6 +316,7 @@ class Recent(NamedTuple):
     fall_hi: list
     samples: list         # per rail: the fewest samples any rank that sent on it has
     tail_hi: list         # per rail: the largest cost of the last operation's tail
+    tail_rise_lo: list    # per rail: the least tail over the earlier operations at its split
 
 
 class RailState:
@@ -328,6 +340,7 @@ class RailState:
         self.probed = [False] * nrails
         self.shift = [0] * nrails         # per rail: the last table's sign of change (_shifts)
         self.worth = [0.0] * nrails       # per rail: its cost before it last slowed (_shifts)
+        self.before = [0.0] * nrails      # per rail: its cost in use when it began to look slower
         self.backed = [False] * nrails    # per rail: the last table made it jump back faster
         self.doubted = [False] * nrails   # per rail: a jump back of it proved wrong (_shifts)
         self.patience = MIN_SAMPLES       # samples a table needs to move a rail by a step
@@ -342,6 +355,7 @@ class RailState:
         self.step = [STEP_START] * self.nrails
         self.trend = [0] * self.nrails
         self.worth = [0.0] * self.nrails
+        self.before = [0.0] * self.nrails
         self.probed = [False] * self.nrails
         self.reason = reason
         return [("state", {"state": COLD, "reason": reason})] if changed else []
@@ -427,6 +441,11 @@ class RailState:
             slower = hi >= SHIFT * x or rec.rise_hi[r] >= SHIFT
             jump, looks_back = self._way_back(r, rec, x, hi)
             way = 1 if slower else (-1 if looks_back else 0)
+            # what it cost before it began to look slower: a rail slower on one hop waits for
+            # a second table, and the first one's damped move already raised its cost in use
+            # (h2.r0 at a quarter on 3 x 2: worth 5.7e-8 where 4.1e-8 was right; the jump back
+            # gave 0.42 of the message, not 0.50, and two damped tables did the rest: 1.1 s)
+            self.before[r] = (self.before[r] or x) if slower else 0.0
             if slower and self.backed[r]:        # (every hop slower implies the slowest is)
                 self.doubted[r] = True           # its jump back was wrong: confirm them
             self.backed[r] = False
@@ -437,7 +456,7 @@ class RailState:
                               else (hi, rec.rise_hi[r]))
                 out[r] = max(c for c in (last, x * rise, x) if _usable(c))
                 if shares[r] >= WORTH_SHARE / len(self.live):
-                    self.worth[r] = self.worth[r] or x
+                    self.worth[r] = self.worth[r] or self.before[r]
                 way = 0
             elif jump is not None:
                 out[r] = jump
@@ -480,8 +499,11 @@ class RailState:
             return None, False
         # no hop cheaper than before at this split: a share-size effect. (Not "some hop no
         # cheaper": a hop that never slowed never gets cheaper, so one host's link back from
-        # a slowdown, h2.r0 on 3 x 2, waited a table more at its slow share)
-        same = _usable(rec.rise_lo[r]) and rec.rise_lo[r] > 1 / SHIFT
+        # a slowdown, h2.r0 on 3 x 2, waited a table more at its slow share.) Unless some
+        # hop's tail is: the rail got faster during the operation, whose whole cost is part
+        # slow (its rise 0.7-0.9: r1 back from a quarter on 3 x 2 waited a table at 0.21)
+        fell_during = _usable(rec.tail_rise_lo[r]) and rec.tail_rise_lo[r] <= 1 / SHIFT
+        same = _usable(rec.rise_lo[r]) and rec.rise_lo[r] > 1 / SHIFT and not fell_during
         latest = min(hi, rec.tail_hi[r]) if _usable(rec.tail_hi[r]) else hi
         back = latest <= SHIFT * worth and not same
         cheaper = hi <= x / SHIFT and not same      # every hop (hi is the slowest's)
@@ -639,12 +661,12 @@ class Balancer:
     # ---- agreement
     def local_table(self) -> np.ndarray:
         """This rank's [a, b, samples, last, rise, fall] per rail (see RailEstimator), its
-        rail overhead and the last operation's tail cost."""
+        rail overhead, the last operation's tail cost and its tail rise."""
         t = np.zeros((self.nrails, TABLE_COLUMNS), dtype=np.float64)
         over = rail_overhead(self.rail_cpu_s)
         for r, e in enumerate(self.est):
             t[r] = (e.a if e.a_samples else float("nan"), e.b, len(e.b_window), e.last,
-                    e.rise, e.fall, over, e.tail)
+                    e.rise, e.fall, over, e.tail, e.tail_rise)
         return t
 
     def want_exchange(self, nbytes: int) -> bool:
@@ -669,7 +691,7 @@ class Balancer:
         self.ops_since_exchange = 0
         self.pending_s = 0.0
         a, b, counts = [], [], []
-        recent = Recent([], [], [], [], [], counts, [])
+        recent = Recent([], [], [], [], [], counts, [], [])
         for r in range(self.nrails):
             col = tables[:, r, :]
             As = col[:, 0][~np.isnan(col[:, 0])]
@@ -679,7 +701,8 @@ class Balancer:
             for values, column, pick in ((b, 1, np.max), (recent.last_lo, 3, np.min),
                                          (recent.last_hi, 3, np.max), (recent.rise_lo, 4, np.min),
                                          (recent.rise_hi, 4, np.max), (recent.fall_hi, 5, np.max),
-                                         (recent.tail_hi, TAIL_COLUMN, np.max)):
+                                         (recent.tail_hi, TAIL_COLUMN, np.max),
+                                         (recent.tail_rise_lo, TAIL_RISE_COLUMN, np.min)):
                 x = sent[:, column]
                 values.append(float(pick(x)) if len(x) and not np.isnan(x).any() else float("nan"))
         # a rail never used for a small message has no start-up estimate: assume the best

@@ -109,12 +109,12 @@ def hot(bs):
 
 
 def one_op(bal, lasts, world=3, counts=1, fall=(np.nan, np.nan), rise=None, tail=None,
-           rises=None, bs=None):
+           rises=None, bs=None, tail_rise=None):
     """A table after ``counts`` operations at the same split: ``lasts[rank][rail]`` is the
     last one's cost per byte, ``fall[rail]`` the fall, ``rise`` (per rail; default 1 after
-    two operations) the rise and ``tail`` (per rail; default unknown) the tail's cost
-    (RailEstimator), on every rank; ``rises`` and ``bs`` (per rank and rail) a rise and an
-    estimate that differ between ranks (default: ``rise``, none)."""
+    two operations) the rise, ``tail`` and ``tail_rise`` (per rail; default unknown) the
+    tail's cost and its rise (RailEstimator), on every rank; ``rises`` and ``bs`` (per rank
+    and rail) a rise and an estimate that differ between ranks (default: ``rise``, none)."""
     t = np.full((world, len(lasts[0]), balance.TABLE_COLUMNS), np.nan)
     rise = rise or [1.0 if counts > 1 else np.nan] * len(lasts[0])
     for p in range(world):
@@ -122,6 +122,7 @@ def one_op(bal, lasts, world=3, counts=1, fall=(np.nan, np.nan), rise=None, tail
             t[p, r, :6] = (1e-4, bs[p][r] if bs else np.nan, counts, x,
                            rises[p][r] if rises else rise[r], fall[r])
             t[p, r, balance.TAIL_COLUMN] = tail[r] if tail else np.nan
+            t[p, r, balance.TAIL_RISE_COLUMN] = tail_rise[r] if tail_rise else np.nan
     return bal.agree(t)
 
 
@@ -274,7 +275,6 @@ def test_one_hosts_link_that_slows_is_followed_at_the_second_table_and_back_by_i
     evs = one_op(bal, slow, counts=8, bs=[[1e-8, 1e-8], [1e-8, 1.2e-8], [1e-8, 1.1e-8]],
                  rises=[[1.0, 1.0], [1.0, 3.3], [1.0, 1.9]])
     assert evs and "shifted" not in evs[0][1] and bal.rs.used_b[1] > 1e-8   # damped
-    worth = bal.rs.used_b[1]
     evs = one_op(bal, [[1e-8, 1e-8], [1e-8, 4e-8], [1e-8, 3.9e-8]])
     assert evs and evs[0][1]["shifted"] == [1]
     assert bal.rs.used_b[1] == pytest.approx(4e-8)
@@ -282,7 +282,9 @@ def test_one_hosts_link_that_slows_is_followed_at_the_second_table_and_back_by_i
     evs = one_op(bal, [[0.9e-8, 1e-8], [1e-8, 2.6e-8], [1e-8, 2.7e-8]], counts=3,
                  rises=[[1.0, 1.01], [1.0, 0.64], [1.0, 0.67]], tail=[1e-8, 1.1e-8])
     assert evs and evs[0][1]["shifted"] == [1]
-    assert bal.rs.used_b[1] == pytest.approx(worth)           # what it was worth
+    # what it was worth before it began to look slower, not after the first table's damped
+    # move (that left 0.42 of the message on it where 0.50 was right: two more tables)
+    assert bal.rs.used_b[1] == pytest.approx(1e-8)
 
 
 def test_a_rail_that_never_slowed_does_not_jump_faster():
@@ -477,6 +479,10 @@ def test_rise_and_fall_compare_operations_at_one_split():
     assert e.fall == pytest.approx(0.4)            # two are (the first one left out)
     e.record_b(MiB, 0.03)
     assert e.rise == pytest.approx(0.03 / 0.02)
+    assert math.isnan(e.tail_rise)                 # no tail told
+    e.record_b(MiB, 0.016, tail=0.004 / MiB)       # recovered during it: its end is cheaper
+    assert e.rise == pytest.approx(0.8)
+    assert e.tail_rise == pytest.approx(0.2)
 
 
 def test_a_rail_back_near_what_it_was_worth_gets_it_back_after_one_table():
@@ -528,6 +534,26 @@ def test_a_rail_that_recovered_during_the_operation_is_back_by_its_tail():
     one_op(bal, [[1e-8, 4e-8]] * 3)
     assert one_op(bal, [[1e-8, 2.4e-8]] * 3, tail=[1e-8, 2.3e-8])[0][1]["shifted"] == [1]
     assert bal.rs.used_b[1] == pytest.approx(math.sqrt(4e-8 * 2.4e-8))
+
+
+def test_a_rail_back_during_an_operation_at_one_split_is_judged_by_its_tail():
+    """Some operations after a rail slowed to a quarter, it recovers half way through one: its
+    whole cost is part slow (rise 0.8: no cheaper than the earlier ones by SHIFT, which alone
+    says "a share-size effect"), but its tail costs a quarter of the earlier operations and
+    what the rail was worth. It jumps back at once (it waited a table at 0.21: 1.16 s to
+    recover on 3 x 2). A tail no cheaper than before at this split leaves it where it is."""
+    bal = hot([1e-8, 1e-8])
+    one_op(bal, [[1e-8, 4e-8]] * 3)
+    assert bal.rs.used_b[1] == pytest.approx(4e-8)
+    evs = one_op(bal, [[1e-8, 3.2e-8]] * 3, counts=4, rise=[1.0, 0.8], tail=[1e-8, 1.1e-8],
+                 tail_rise=[1.0, 0.27])
+    assert evs and evs[0][1]["shifted"] == [1]
+    assert bal.rs.used_b[1] == pytest.approx(1e-8)
+    bal = hot([1e-8, 1e-8])
+    one_op(bal, [[1e-8, 4e-8]] * 3)
+    assert one_op(bal, [[1e-8, 3.2e-8]] * 3, counts=4, rise=[1.0, 0.8], tail=[1e-8, 1.4e-8],
+                  tail_rise=[1.0, 0.8]) == []
+    assert bal.rs.used_b[1] == pytest.approx(4e-8)
 
 
 def test_a_jump_back_that_proved_wrong_needs_two_tables_next_time():
