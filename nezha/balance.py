@@ -271,9 +271,12 @@ class RailEstimator:
         """The last operation's cost over the median earlier one in the window, i.e. at the
         same split (the window restarts when the split moves); nan before two samples."""
         costs = self._costs()
-        if len(costs) < 2:
-            return float("nan")
-        return costs[-1] / float(np.median(costs[:-1]))
+        return costs[-1] / self._earlier(costs) if len(costs) >= 2 else float("nan")
+
+    @staticmethod
+    def _earlier(costs: list) -> float:
+        """The median cost of the operations before the last at this split."""
+        return float(np.median(costs[:-1]))
 
     @property
     def tail_rise(self) -> float:
@@ -283,7 +286,7 @@ class RailEstimator:
         costs = self._costs()
         if len(costs) < 2 or not _usable(self.tail):
             return float("nan")
-        return self.tail / float(np.median(costs[:-1]))
+        return self.tail / self._earlier(costs)
 
     @property
     def fall(self) -> float:
