@@ -772,6 +772,25 @@ class Balancer:
                 off += sizes[r]
         return out
 
+    def spread(self, nbytes: int, count: int, live) -> list[int]:
+        """Rails for ``count`` messages of ``nbytes`` sent at once, each whole on one rail:
+        each goes where it would finish soonest behind those placed before it (a_r + k s b_r;
+        round robin by a_r while rates are unknown). A direct allreduce's copies to its peers
+        then use every rail without paying for a split of each."""
+        live = tuple(live)
+        a, b = self.rs.a, self.rs.b
+        known = all(not math.isnan(b[r]) for r in live)
+        placed = dict.fromkeys(live, 0)
+        out = []
+        for _ in range(count):
+            def finish(r):
+                return (a[r] + (placed[r] + 1) * nbytes * b[r] if known
+                        else (placed[r], a[r]), r)
+            r = min(live, key=finish)
+            placed[r] += 1
+            out.append(r)
+        return out
+
     def _best(self, live, nbytes=0):
         """The single rail that moves ``nbytes`` soonest by the agreed model (a_r + s*b_r;
         by a_r alone while rates are unknown)."""

@@ -33,6 +33,9 @@ NEZHA_NOTSENT_LOWAT         int      262144          TCP_NOTSENT_LOWAT bytes (25
 NEZHA_TCP_CONGESTION        str      (host default)  per-socket congestion control, e.g. cubic
 NEZHA_STAGING_LIMIT         int      1073741824      bytes staged before their receive; 0 = 1 GiB
 NEZHA_PIPE_BLOCK            int      2097152         ring pipeline block bytes (2 MiB)
+NEZHA_DIRECT_MAX            int      262144          nezha, up to 8 ranks: one-round allreduce
+                                                     while size x (world - 1) <= this (256 KiB;
+                                                     collectives.use_direct); 0 = always the ring
 NEZHA_RAIL_CPU_US           float    150             CPU us one more rail costs a message (balance.py)
 NEZHA_WATCHDOG_MS           float    20              least stall before the watchdog checks a rail
 NEZHA_CHECK_TIMEOUT_MS      float    100             wait for the peer's "bytes arrive?" answer
@@ -102,6 +105,12 @@ class _Env:
             raise ConfigError(f"{name}={self.str(name)!r} is not a finite number")
         return v
 
+    def nonneg_int(self, name: str, default: int) -> int:
+        v = self.int(name, default)
+        if v < 0:
+            raise ConfigError(f"{name}={self.str(name)!r}: must be 0 or more")
+        return v
+
     def nonneg_float(self, name: str, default: float) -> float:
         v = self.float(name, default)
         if v < 0:
@@ -169,6 +178,7 @@ class Config:
     tcp_congestion: str = ""
     staging_limit: int = 1 << 30
     pipe_block: int = 2 << 20
+    direct_max: int = 256 << 10       # collectives.use_direct
     rail_cpu_us: float = 150.0        # CPU per rail per message (balance.RAIL_CPU_S, measured)
     watchdog_ms: float = 20.0
     check_timeout_ms: float = 100.0
@@ -202,6 +212,7 @@ class Config:
             tcp_congestion=e.str("NEZHA_TCP_CONGESTION", ""),
             staging_limit=e.int("NEZHA_STAGING_LIMIT") or d.staging_limit,
             pipe_block=e.int("NEZHA_PIPE_BLOCK", d.pipe_block),
+            direct_max=e.nonneg_int("NEZHA_DIRECT_MAX", d.direct_max),
             rail_cpu_us=e.nonneg_float("NEZHA_RAIL_CPU_US", d.rail_cpu_us),
             watchdog_ms=e.float("NEZHA_WATCHDOG_MS", d.watchdog_ms),
             check_timeout_ms=e.float("NEZHA_CHECK_TIMEOUT_MS", d.check_timeout_ms),

@@ -127,7 +127,8 @@ class Context:
     def _join(self, store, master, serve_store, group):
         """Rendezvous, connections, health monitoring (rendezvous.py has the details)."""
         me = Member(self.rank, self.world_size, self.nrails, self.system,
-                    tuple(self.rail_addrs), self.timeout)
+                    tuple(self.rail_addrs), self.timeout,
+                    (self._config.pipe_block, self._config.direct_max))
         self._rdv = rdv = Rendezvous(me, self._transport, self._engine, self.events,
                                      secret=self._config.job_secret,
                                      connect=self._config.connect)
@@ -203,9 +204,17 @@ class Context:
                     arr, op, lambda nbytes, fn: self._run("allreduce", nbytes, fn),
                     self._control_op)
         else:
-            self._run("allreduce", arr.nbytes,
-                      lambda call: collectives.ring_allreduce(call, arr, op))
+            algo = self._allreduce_algorithm(arr.nbytes)
+            self._run("allreduce", arr.nbytes, lambda call: algo(call, arr, op))
         return written_back(buf, wb)
+
+    def _allreduce_algorithm(self, nbytes: int):
+        """nezha: small messages in one direct round (collectives.use_direct); the
+        baselines are the ring at every size, as their names say."""
+        if self.system == "nezha" and collectives.use_direct(nbytes, self.world_size,
+                                                             self._config.direct_max):
+            return collectives.direct_allreduce
+        return collectives.ring_allreduce
 
     def _control_op(self, fn) -> None:
         """``fn(call)`` as one more operation of the current collective (a hybrid

@@ -155,6 +155,7 @@ class Member:
     system: str
     rail_addrs: tuple
     timeout: float
+    plan: tuple = ()     # settings that choose algorithms and step ids: equal on every rank
 
 
 def _left(deadline: float, least: float = 0.0) -> float:
@@ -225,7 +226,8 @@ class Rendezvous:
         if me.rank == 0:
             store.set(pre + "session", secrets.token_hex(16))
         info = {"world": me.world_size, "rails": endpoints, "nrails": me.nrails,
-                "system": me.system, "host": socket.gethostname(), "pid": os.getpid()}
+                "system": me.system, "plan": list(me.plan), "host": socket.gethostname(),
+                "pid": os.getpid()}
         store.set(pre + f"info/{me.rank}", json.dumps(info))
         keys = [pre + f"info/{r}" for r in range(me.world_size)]
         self._wait_infos(keys, deadline)
@@ -258,6 +260,10 @@ class Rendezvous:
             elif inf["nrails"] != me.nrails or inf["system"] != me.system:
                 bad = (f"rank {r} has {inf['nrails']} rails / system {inf['system']}, rank "
                        f"{me.rank} has {me.nrails} / {me.system}")
+            elif inf.get("plan") != list(me.plan):
+                bad = (f"rank {r} has NEZHA_PIPE_BLOCK, NEZHA_DIRECT_MAX = {inf.get('plan')}, "
+                       f"rank {me.rank} has {list(me.plan)}: every rank must use the same "
+                       f"(they choose the algorithm and its message ids)")
             if bad:
                 self.store.abort(bad)
                 raise WorldSizeMismatchError(bad)

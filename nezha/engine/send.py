@@ -47,8 +47,9 @@ class Sending:
             if conn.unacked > 0:
                 conn.unacked -= 1
 
-    def send(self, dst, op_id, step, view, desc: Desc, elem=1) -> SendMsg:
-        """Send message (op_id, step) to ``dst``, split over the rails in units of ``elem``."""
+    def send(self, dst, op_id, step, view, desc: Desc, elem=1, rail=None) -> SendMsg:
+        """Send message (op_id, step) to ``dst``, split over the rails in units of ``elem``
+        (or whole on ``rail`` while that rail is live to ``dst``)."""
         self.reach(dst)
         key = (op_id, step, dst)
         msg = SendMsg(key, dst, view, desc)
@@ -65,7 +66,9 @@ class Sending:
                     ch.tries = 99
                 self.sends[key] = msg
                 return msg
-            self._cut(msg, self.balancer.split(len(view), elem, live))
+            plan = [(rail, 0, len(view))] if rail in live else \
+                self.balancer.split(len(view), elem, live)
+            self._cut(msg, plan)
             self.sends[key] = msg
             # a start-up sample is only honest from a rail with nothing of ours before it
             msg.idle = {r for r in msg.share if self.conns[(dst, r)].unacked == 0}

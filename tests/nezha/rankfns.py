@@ -320,3 +320,20 @@ def congestion_of_sockets(rank, world, port, cc):
                         for c in ctx._engine.conns.values()})
         ctx.barrier()
     return names
+
+
+def bytes_per_allreduce(rank, world, port, count, direct_max=None, nrails=2):
+    """Bytes this rank sends on each rail for one allreduce of ``count`` float32 (after a
+    warm-up), and whether the results were exact in 5 calls."""
+    if direct_max is not None:
+        os.environ["NEZHA_DIRECT_MAX"] = str(direct_max)
+    with make_ctx(rank, world, port, nrails) as ctx:
+        exact = True
+        for it in range(5):
+            a = data(rank, it, count, "float32")
+            before = [c.bytes_sent for c in ctx.events.rails]
+            ctx.allreduce(a)
+            sent = [c.bytes_sent - b for c, b in zip(ctx.events.rails, before)]
+            exact &= bool(np.array_equal(a, reference(world, it, count, "float32", "sum")))
+        ctx.barrier()
+    return sent, exact

@@ -41,17 +41,19 @@ def idents(ctx) -> dict:
 
 
 def on_demand(rank, world, port, connect="ring", count=1001):
-    """Connections after init, after allreduces (ring: neighbours only), after a small
-    broadcast from rank 0 (a star: rank 0 reaches everyone) and a chain broadcast."""
+    """Connections after init, after allreduces above the direct limit (ring: neighbours
+    only), after a small broadcast from rank 0 (a star: rank 0 reaches everyone), a chain
+    broadcast, and a small allreduce (one direct round: every rank reaches every other)."""
     out = {}
     cfg = Config(connect=connect)
     with make_ctx(rank, world, port, 2, config=cfg, secret=SECRET) as ctx:
         out["init"] = peers_of(ctx)
         ok = True
+        ring = cfg.direct_max // 4 // (world - 1) + 1      # float32s: just above the limit
         for it in range(3):
-            a = data(rank, it, count, "float32")
+            a = data(rank, it, ring, "float32")
             ctx.allreduce(a)
-            ok &= bool(np.array_equal(a, reference(world, it, count, "float32", "sum")))
+            ok &= bool(np.array_equal(a, reference(world, it, ring, "float32", "sum")))
         out["allreduce"] = peers_of(ctx)
         # rank 0 dials everyone for the star broadcast as soon as its own allreduce is over,
         # which may be before ours: nobody goes on before every rank has counted
@@ -68,6 +70,11 @@ def on_demand(rank, world, port, connect="ring", count=1001):
         ok &= bool(np.array_equal(c, data(2, 3, big, "float32")))
         out["chain"] = peers_of(ctx)
         ctx.barrier()
+        d = data(rank, 5, count, "float32")
+        ctx.allreduce(d)
+        ok &= bool(np.array_equal(d, reference(world, 5, count, "float32", "sum")))
+        ctx.barrier()
+        out["direct"] = settled(ctx)
         out["ok"] = ok
     return out
 

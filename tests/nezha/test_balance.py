@@ -614,3 +614,16 @@ def test_estimates_can_be_read_while_samples_arrive():
         stop.set()
         t.join()
         sys.setswitchinterval(interval)
+
+
+def test_copies_sent_at_once_spread_over_the_rails_by_when_each_would_finish():
+    """A direct allreduce's copies to its peers go whole, one per rail while the rails are
+    alike, and the fast rail takes more where it would still finish first."""
+    bal = hot([1e-8, 1e-8])
+    assert sorted(bal.spread(64 << 10, 2, [0, 1])) == [0, 1]
+    assert bal.spread(64 << 10, 4, [0, 1]).count(0) == 2
+    fast_slow = hot([1e-8, 3e-8])          # rail 1 three times slower
+    assert fast_slow.spread(64 << 10, 4, [0, 1]).count(0) == 3
+    assert fast_slow.spread(64 << 10, 3, [1]) == [1, 1, 1]   # only the live rails
+    cold = Balancer(3, "nezha")            # no rates yet: round robin
+    assert sorted(cold.spread(4096, 3, [0, 1, 2])) == [0, 1, 2]

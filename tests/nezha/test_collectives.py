@@ -108,3 +108,41 @@ def test_all_ranks_agree_on_state_and_splits():
     same = [repr(s) for s in states]     # repr: nan (a rail not measured yet) equals nan
     assert all(s == same[0] for s in same), states
     assert states[0][-1]
+
+
+@pytest.mark.parametrize("world", [2, 3, 5])
+def test_a_small_allreduce_goes_in_one_direct_round_spread_over_the_rails(world):
+    """Below NEZHA_DIRECT_MAX (size x (world - 1), 256 KiB) every rank sends its whole array
+    to every peer, the copies spread over the rails; above it, and with NEZHA_DIRECT_MAX=0,
+    the ring's 2(n-1)/n x size on one rail (small ring steps ride the best rail)."""
+    count = 4096                                     # 16 KiB
+    direct = ok_results(run_ranks(rankfns.bytes_per_allreduce, world, timeout=60, count=count))
+    for r, (sent, exact) in direct.items():
+        assert exact, r
+        # (+ the estimate exchange's few hundred bytes when one falls on this call)
+        assert 0 <= sum(sent) - (world - 1) * count * 4 < 4096, (r, sent)
+        assert world == 2 or min(sent) > 0, (r, sent)     # two copies or more: both rails
+    ring = ok_results(run_ranks(rankfns.bytes_per_allreduce, world, timeout=60, count=count,
+                                direct_max=0))
+    for r, (sent, exact) in ring.items():
+        assert exact, r
+        ring_bytes = 2 * (world - 1) * count * 4 / world
+        assert abs(sum(sent) - ring_bytes) < 4096, (r, sent)
+
+
+def test_a_message_above_the_direct_limit_takes_the_ring():
+    count = (256 << 10) // 4                         # 256 KiB x 2 peers > 256 KiB
+    res = ok_results(run_ranks(rankfns.bytes_per_allreduce, 3, timeout=60, count=count))
+    for r, (sent, exact) in res.items():
+        assert exact, r
+        assert abs(sum(sent) - 2 * 2 * count * 4 / 3) < 4096, (r, sent)
+
+
+def test_ranks_that_would_choose_different_algorithms_refuse_to_start():
+    """NEZHA_DIRECT_MAX chooses the algorithm: ranks that disagree would wait for messages
+    the others never send, so the rendezvous refuses, naming the setting."""
+    res = run_ranks(rankfns.bytes_per_allreduce, 2, timeout=60, count=16,
+                    per_rank={1: {"direct_max": 0}})
+    for r, (ok, v) in res.items():
+        assert not ok and v != "hung", (r, v)
+        assert "NEZHA_DIRECT_MAX" in v.message, (r, v.message)

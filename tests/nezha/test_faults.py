@@ -42,6 +42,18 @@ def test_every_rail_to_a_peer_breaking_at_once_is_ridden_through(tmp_path):
         assert "peer_unreachable" in v[2] and "peer_reachable" in v[2], (r, v[2])
 
 
+def test_rails_breaking_under_small_direct_allreduces_lose_no_byte(tmp_path):
+    """16 KiB on 3 ranks goes in one direct round, each copy whole on one rail: both rails
+    to rank 1 break while a copy is out; it waits, goes out on the first rail back, and
+    every one of the 300 results is exact."""
+    res = run_ranks(rankfns.kill_rail_mid_op, 3, timeout=90, count=4096, iters=300,
+                    how="kill-all", events=str(tmp_path / "ev"), settle=0.5)
+    for r, (ok, v) in res.items():
+        assert ok, (r, v)
+        assert v[0] == [], (r, v[0])
+    assert "peer_unreachable" in res[0][1][2], res[0][1][2]
+
+
 def test_silent_peer_fails_every_rank_within_timeout():
     import time
     t0 = time.monotonic()

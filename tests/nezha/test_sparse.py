@@ -41,6 +41,8 @@ def test_a_ring_job_holds_neighbours_only_and_reaches_others_on_first_use():
         star = {p: 2 for p in range(WORLD) if p != r} if r == 0 else {**two_rails, 0: 2}
         assert v["star"] == star, (r, v["star"])
         assert v["chain"] == star, (r, v["chain"])     # a chain goes round the ring
+        # a small allreduce is one direct round (up to 8 ranks): every pair connects
+        assert v["direct"] == {p: 2 for p in range(WORLD) if p != r}, (r, v["direct"])
 
 
 def test_connect_full_is_the_old_mesh():
