@@ -323,10 +323,32 @@ def test_loss_5_percent_measured(pair, shaper, caps):
         assert shaper.describe()["nft_drops"] == n - got   # every loss is ours
 
 
+@pytest.fixture(params=["pyroute2", "rtnl"])
+def loss_shaper(request, pair, caps, monkeypatch):
+    """The shaper on pyroute2's IPRoute (nft text through libnftables) and on the fabric's own
+    netlink handles, where a runtime loss change is encoded by testbed.kernel.nfnl; yields
+    (shaper, the number of nfnl insertions so far)."""
+    from testbed.kernel import nfnl
+    from testbed.kernel.rtnl import Rtnl
+    ipr_a, ipr_b, ns_a, ns_b = pair
+    handles = (ipr_a, ipr_b) if request.param == "pyroute2" else (Rtnl(ns_a), Rtnl(ns_b))
+    calls = []
+    real = nfnl.insert_loss_rules
+    monkeypatch.setattr(nfnl, "insert_loss_rules", lambda *a: (calls.append(a), real(*a)))
+    s = DirectionShaper(handles[0], ns_a, "ta", handles[1], ns_b, "tb", caps, mtu=1500,
+                        name="h1.r0:up")
+    yield s, calls
+    s.clear()
+    if request.param == "rtnl":
+        for h in handles:
+            h.close()
+
+
 @root_only
-def test_loss_change_5_0_100(pair, shaper, caps):
+def test_loss_change_5_0_100(pair, loss_shaper, caps, request):
     if caps.loss_method is None:
         pytest.skip("neither netem nor nftables")
+    shaper, nfnl_calls = loss_shaper
     _, _, ns_a, ns_b = pair
     shape = Shape(rate_bps=200 * MBIT, loss=0.05)
     shaper.apply(shape)
@@ -348,6 +370,9 @@ def test_loss_change_5_0_100(pair, shaper, caps):
             assert got == round(n * (1 - loss)), (loss, got)
         else:
             assert_loss((n - got) / n, loss, n, "after a change back to 5 %")
+    if not caps.netem:        # the fabric's handles take the encoded path, pyroute2's not
+        fast = request.node.callspec.params["loss_shaper"] == "rtnl"
+        assert len(nfnl_calls) == (3 if fast else 0), nfnl_calls
 
 
 @root_only

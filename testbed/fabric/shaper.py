@@ -11,9 +11,10 @@ Loss without netem: an nftables table ``nezha_testbed`` (family netdev) in the I
 one chain per device (``loss_<ifB>``, hook ingress on ifB, priority -500) whose head is
 ``numgen random mod 1000000 < N counter drop`` followed by ``accept`` (100 %: ``counter drop``;
 0 %: no rule). Dropping at the peer's ingress is losing on this direction's wire (the rules and
-how nft is run: testbed.kernel.nftables). A runtime loss change inserts the new head rules (acked
-in ~1 ms) and deletes the dead ones afterwards in the background: nftables acknowledges any
-deletion - a ``replace`` too - only after an RCU grace period, 8-40 ms on this machine.
+how nft is run: testbed.kernel.nftables). A runtime loss change inserts the new head rules
+(encoded by testbed.kernel.nfnl, acked in tens of microseconds) and deletes the dead ones
+afterwards in the background: nftables acknowledges any deletion - a ``replace`` too - only
+after an RCU grace period, 8-40 ms on this machine.
 
 While loss > 0, TSO/GSO are turned off on the egress interface (testbed.kernel.ethtool) so each
 MTU packet is lost independently; otherwise TCP's 64 KiB GSO skbs are dropped whole (1 % loss at
@@ -33,7 +34,7 @@ import time
 from typing import Optional
 
 from testbed.errors import CapabilityError, FabricError, ShapingMismatch
-from testbed.kernel import ethtool, nftables, tc
+from testbed.kernel import ethtool, nfnl, nftables, tc
 from testbed.kernel.capabilities import Capabilities
 from testbed.kernel.nftables import NFT_TABLE, NftResult
 from testbed.kernel.tc import CLASS_HANDLE, HTB_HANDLE, LEAF_HANDLE, TC_H_ROOT
@@ -352,8 +353,27 @@ class DirectionShaper:
             self._nft_chain_absent = False
             script = nftables.ingress_chain_script(self.chain, self.ingress_if, rules)
         else:
+            sock = self._nft_socket()
+            if sock is not None:       # the fast path: encoded here, no libnftables
+                try:
+                    nfnl.insert_loss_rules(sock, NFT_TABLE, self.chain, loss)
+                except OSError as e:
+                    raise FabricError(f"{self.name}: inserting the loss rules into {base} in "
+                                      f"{self.ingress_ns} failed: {e}") from None
+                return
             script = "".join(f"insert rule {base} {r}\n" for r in reversed(rules))
         self._nft(["-f", "-"], stdin=script)
+
+    def _nft_socket(self):
+        """The ingress namespace's NETLINK_NETFILTER socket (testbed.kernel.rtnl), or None
+        where its handle has none (Mininet's backend) or the kernel refuses one."""
+        get = getattr(self.ingress, "nft_socket", None)
+        if get is None:
+            return None
+        try:
+            return get()
+        except OSError:
+            return None
 
     def _collect_stale_nft(self) -> None:
         if self._nft_stale:

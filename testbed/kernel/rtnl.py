@@ -44,6 +44,7 @@ from pyroute2.netlink.rtnl.marshal import MarshalRtnl
 from testbed.kernel import netns
 
 NETLINK_ROUTE = 0
+NETLINK_NETFILTER = 12
 NETLINK_EXT_ACK = 11
 SOL_NETLINK = 270
 NLM_F_DUMP = 0x300
@@ -81,6 +82,33 @@ def _gil_libc() -> Any:
 
 
 _libc = _gil_libc()
+
+
+def send_keeping_gil(sock: socket.socket, data: bytearray) -> None:
+    """send() without releasing the GIL (see the module's docstring); a socket buffer that is
+    full (never seen) falls back to Python's blocking send."""
+    raw = (ctypes.c_char * len(data)).from_buffer(data)
+    if _libc.send(sock.fileno(), raw, len(data), _MSG_DONTWAIT) >= 0:
+        return
+    err = ctypes.get_errno()
+    if err not in (errno.EAGAIN, errno.EINTR):
+        raise OSError(err, os.strerror(err))
+    sock.send(data)
+
+
+def recv_keeping_gil(sock: socket.socket) -> bytes:
+    """What the kernel has queued, without releasing the GIL; nothing queued yet (an answer
+    the kernel sends later) falls back to Python's blocking recv."""
+    buf = getattr(_buffers, "buf", None)
+    if buf is None:
+        buf = _buffers.buf = ctypes.create_string_buffer(_RECV_SIZE)
+    n = _libc.recv(sock.fileno(), buf, _RECV_SIZE, _MSG_DONTWAIT)
+    if n >= 0:
+        return ctypes.string_at(buf, n)
+    err = ctypes.get_errno()
+    if err not in (errno.EAGAIN, errno.EINTR):
+        raise OSError(err, os.strerror(err))
+    return sock.recv(_RECV_SIZE)
 _templates_lock = threading.Lock()
 _msg_map = MarshalRtnl.msg_map
 
@@ -252,6 +280,7 @@ class Rtnl:
         self._seq = 0
         self._lock = threading.Lock()
         self._inet: Optional[socket.socket] = None
+        self._nft: Optional[socket.socket] = None
         self.closed = False
 
     def inet_socket(self) -> socket.socket:
@@ -263,6 +292,18 @@ class Rtnl:
                                        socket.SOCK_DGRAM) if self.ns is not None else \
                 socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         return self._inet
+
+    def nft_socket(self) -> socket.socket:
+        """A NETLINK_NETFILTER socket in the same namespace, opened once and closed with this
+        handle: a loss fault's nf_tables rules go there from the caller's thread
+        (testbed.kernel.nfnl), with no trip to the netns worker thread."""
+        if self._nft is None:
+            sock = netns.call_in(self.ns, socket.socket, socket.AF_NETLINK, socket.SOCK_RAW,
+                                 NETLINK_NETFILTER) if self.ns is not None else \
+                socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, NETLINK_NETFILTER)
+            sock.bind((0, 0))
+            self._nft = sock
+        return self._nft
 
     # ---- transport -------------------------------------------------------------------------
     def _stamp(self, data: bytearray) -> int:
@@ -313,29 +354,10 @@ class Rtnl:
                     return out
 
     def _send(self, data: bytearray) -> None:
-        """send() without releasing the GIL (see the module's docstring); a socket buffer
-        that is full (never seen) falls back to Python's blocking send."""
-        raw = (ctypes.c_char * len(data)).from_buffer(data)
-        if _libc.send(self.sock.fileno(), raw, len(data), _MSG_DONTWAIT) >= 0:
-            return
-        err = ctypes.get_errno()
-        if err not in (errno.EAGAIN, errno.EINTR):
-            raise OSError(err, os.strerror(err))
-        self.sock.send(data)
+        send_keeping_gil(self.sock, data)
 
     def _recv(self) -> bytes:
-        """What the kernel has queued, without releasing the GIL; nothing queued yet (an
-        answer the kernel sends later) falls back to Python's blocking recv."""
-        buf = getattr(_buffers, "buf", None)
-        if buf is None:
-            buf = _buffers.buf = ctypes.create_string_buffer(_RECV_SIZE)
-        n = _libc.recv(self.sock.fileno(), buf, _RECV_SIZE, _MSG_DONTWAIT)
-        if n >= 0:
-            return ctypes.string_at(buf, n)
-        err = ctypes.get_errno()
-        if err not in (errno.EAGAIN, errno.EINTR):
-            raise OSError(err, os.strerror(err))
-        return self.sock.recv(_RECV_SIZE)
+        return recv_keeping_gil(self.sock)
 
     def request(self, method: str, *args: Any, **kwargs: Any) -> list:
         return self._exchange(encode(method, *args, **kwargs))
@@ -349,8 +371,9 @@ class Rtnl:
         if not self.closed:
             self.closed = True
             self.sock.close()
-            if self._inet is not None:
-                self._inet.close()
+            for extra in (self._inet, self._nft):
+                if extra is not None:
+                    extra.close()
 
     def __enter__(self) -> "Rtnl":
         return self
