@@ -196,11 +196,11 @@ def direct_allreduce(call: Call, arr, redop, kind=wire.K_ALLREDUCE) -> None:
 
 
 def _reduce_in_rank_order(copies: np.ndarray, uf, out: np.ndarray) -> None:
-    """out = copies[0] op copies[1] op ... op copies[n-1], always in this order."""
-    acc = copies[0].copy()
+    """out = copies[0] op copies[1] op ... op copies[n-1], always in this order (``out`` is not
+    one of the copies: this rank's own copy is what its sends are still reading)."""
+    np.copyto(out, copies[0])
     for p in range(1, len(copies)):
-        uf(acc, copies[p], out=acc)
-    out[:] = acc
+        uf(out, copies[p], out=out)
 
 
 def ring_allgather(call: Call, out, count, kind=wire.K_ALLGATHER) -> None:

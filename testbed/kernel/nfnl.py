@@ -24,7 +24,7 @@ import threading
 from typing import Iterable
 
 from testbed.kernel.nftables import NFT_MOD, loss_threshold
-from testbed.kernel.rtnl import recv_keeping_gil, send_keeping_gil
+from testbed.kernel.rtnl import NLMSGHDR, asciiz, nlattr, recv_keeping_gil, send_keeping_gil
 
 NFPROTO_NETDEV = 5
 _NFNL_SUBSYS_NFTABLES = 10
@@ -32,8 +32,6 @@ _NFNL_MSG_BATCH_BEGIN, _NFNL_MSG_BATCH_END = 0x10, 0x11
 _NFT_MSG_NEWRULE = 6
 _NLM_F_REQUEST, _NLM_F_ACK, _NLM_F_CREATE = 0x1, 0x4, 0x400
 _NLMSG_ERROR = 2
-_NLA_F_NESTED = 0x8000
-_HDR = struct.Struct("=IHHII")          # nlmsghdr
 _NFGEN = struct.Struct("=BBH")          # nfgenmsg: family, version, res_id (big-endian)
 
 # attribute types (linux/netfilter/nf_tables.h)
@@ -54,29 +52,24 @@ _seq = itertools.count()
 _lock = threading.Lock()      # one batch in flight at a time: acks are read by its sender
 
 
-def _attr(atype: int, payload: bytes, nested: bool = False) -> bytes:
-    head = struct.pack("=HH", 4 + len(payload), atype | (_NLA_F_NESTED if nested else 0))
-    return head + payload + b"\0" * (-len(payload) % 4)
-
-
 def _be32(atype: int, value: int) -> bytes:
-    return _attr(atype, struct.pack(">I", value))
+    return nlattr(atype, struct.pack(">I", value))
 
 
 def _expr(name: str, *attrs: bytes) -> bytes:
-    data = _attr(_EXPR_DATA, b"".join(attrs), nested=True)
-    return _attr(_LIST_ELEM, _attr(_EXPR_NAME, name.encode() + b"\0") + data, nested=True)
+    data = nlattr(_EXPR_DATA, b"".join(attrs), nested=True)
+    return nlattr(_LIST_ELEM, nlattr(_EXPR_NAME, asciiz(name)) + data, nested=True)
 
 
 def _verdict(code: int) -> bytes:
-    data = _attr(_DATA_VERDICT, _be32(_VERDICT_CODE, code), nested=True)
+    data = nlattr(_DATA_VERDICT, _be32(_VERDICT_CODE, code), nested=True)
     return _expr("immediate", _be32(_IMMEDIATE_DREG, _NFT_REG_VERDICT),
-                 _attr(_IMMEDIATE_DATA, data, nested=True))
+                 nlattr(_IMMEDIATE_DATA, data, nested=True))
 
 
 def _counter() -> bytes:
     zero = struct.pack(">Q", 0)
-    return _expr("counter", _attr(_COUNTER_BYTES, zero), _attr(_COUNTER_PACKETS, zero))
+    return _expr("counter", nlattr(_COUNTER_BYTES, zero), nlattr(_COUNTER_PACKETS, zero))
 
 
 def loss_expressions(loss: float) -> list[list[bytes]]:
@@ -97,24 +90,24 @@ def loss_expressions(loss: float) -> list[list[bytes]]:
                  _be32(_BYTEORDER_DREG, _NFT_REG_1), _be32(_BYTEORDER_OP, _NFT_BYTEORDER_HTON),
                  _be32(_BYTEORDER_LEN, 4), _be32(_BYTEORDER_SIZE, 4))
     cmp = _expr("cmp", _be32(_CMP_SREG, _NFT_REG_1), _be32(_CMP_OP, _NFT_CMP_LT),
-                _attr(_CMP_DATA, _attr(_DATA_VALUE, struct.pack(">I", n)), nested=True))
+                nlattr(_CMP_DATA, nlattr(_DATA_VALUE, struct.pack(">I", n)), nested=True))
     return [[numgen, hton, cmp, _counter(), _verdict(NF_DROP)], [_verdict(NF_ACCEPT)]]
 
 
 def _message(mtype: int, flags: int, seq: int, family: int, res_id: int,
              body: bytes = b"") -> bytes:
     payload = _NFGEN.pack(family, 0, socket.htons(res_id)) + body
-    return _HDR.pack(16 + len(payload), mtype, flags, seq, 0) + payload
+    return NLMSGHDR.pack(16 + len(payload), mtype, flags, seq, 0) + payload
 
 
 def insert_batch(table: str, chain: str, rules: Iterable[list[bytes]], seq: int) -> bytes:
     """One batch inserting ``rules`` (head first) at the head of ``chain`` of the netdev
     table ``table``: each rule's message carries sequence number seq + its position."""
-    name = _attr(_RULE_TABLE, table.encode() + b"\0") + _attr(_RULE_CHAIN, chain.encode() + b"\0")
+    name = nlattr(_RULE_TABLE, asciiz(table)) + nlattr(_RULE_CHAIN, asciiz(chain))
     msgs = [_message(_NFNL_MSG_BATCH_BEGIN, _NLM_F_REQUEST, seq, 0, _NFNL_SUBSYS_NFTABLES)]
     rules = list(rules)
     for i, exprs in enumerate(reversed(rules)):      # each goes in front of the one before
-        body = name + _attr(_RULE_EXPRESSIONS, b"".join(exprs), nested=True)
+        body = name + nlattr(_RULE_EXPRESSIONS, b"".join(exprs), nested=True)
         msgs.append(_message((_NFNL_SUBSYS_NFTABLES << 8) | _NFT_MSG_NEWRULE,
                              _NLM_F_REQUEST | _NLM_F_ACK | _NLM_F_CREATE, seq + 1 + i,
                              NFPROTO_NETDEV, 0, body))
@@ -131,7 +124,7 @@ def _acks(sock: socket.socket, first: int, count: int) -> None:
         buf = recv_keeping_gil(sock)
         offset = 0
         while offset + 16 <= len(buf):
-            length, mtype, _, seq, _ = _HDR.unpack_from(buf, offset)
+            length, mtype, _, seq, _ = NLMSGHDR.unpack_from(buf, offset)
             if length < 16:
                 break
             if mtype == _NLMSG_ERROR and seq in pending:

@@ -48,13 +48,14 @@ NETLINK_NETFILTER = 12
 NETLINK_EXT_ACK = 11
 SOL_NETLINK = 270
 NLM_F_DUMP = 0x300
-_HDR = struct.Struct("IHHII")       # nlmsghdr: length, type, flags, seq, pid
+NLMSGHDR = struct.Struct("IHHII")   # nlmsghdr: length, type, flags, seq, pid
 _INDEX_OFFSET = 20                  # ifinfomsg/tcmsg/ifaddrmsg: the ifindex after the header
 _RCVBUF = 4 << 20
 
 _local = threading.local()          # one pyroute2 encoder per thread (it is not thread-safe)
 _IFINFO = struct.Struct("=BxHiII")  # ifinfomsg: family, type, index, flags, change
 _RTA = struct.Struct("=HH")
+_NLA_F_NESTED = 0x8000
 _IFADDR = struct.Struct("=BBBBI")   # ifaddrmsg: family, prefixlen, flags, scope, index
 _RTM_NEWLINK, _RTM_GETLINK, _RTM_NEWADDR = 16, 18, 20
 _NLM_F_CREATE_ACK = 0x605           # REQUEST | ACK | EXCL | CREATE, as pyroute2's "add"
@@ -109,6 +110,8 @@ def recv_keeping_gil(sock: socket.socket) -> bytes:
     if err not in (errno.EAGAIN, errno.EINTR):
         raise OSError(err, os.strerror(err))
     return sock.recv(_RECV_SIZE)
+
+
 _templates_lock = threading.Lock()
 _msg_map = MarshalRtnl.msg_map
 
@@ -127,7 +130,7 @@ def _encode_now(method: str, args: tuple, kwargs: dict) -> bytes:
     getattr(ipb, method)(*args, **kwargs)
     data = bytes(ipb.batch)
     ipb.reset()
-    if not data or _HDR.unpack_from(data)[0] != len(data):
+    if not data or NLMSGHDR.unpack_from(data)[0] != len(data):
         raise ValueError(f"{method}{args}: pyroute2 encoded {len(data)} bytes, not one message")
     return data
 
@@ -203,16 +206,18 @@ def _getlink_request(index: int = 0, ifname: Optional[str] = None) -> bytearray:
         attrs += _RTA.pack(4 + len(name), _IFLA_IFNAME) + name + b"\0" * (-len(name) % 4)
     attrs += _RTA.pack(8, _IFLA_EXT_MASK) + struct.pack("=I", _RTEXT_FILTER_SKIP_STATS)
     length = 16 + _IFINFO.size + len(attrs)
-    return bytearray(_HDR.pack(length, _RTM_GETLINK, 0x1, 0, 0)
+    return bytearray(NLMSGHDR.pack(length, _RTM_GETLINK, 0x1, 0, 0)
                      + _IFINFO.pack(0, 0, index, 0, 0) + attrs)
 
 
-def _rta(atype: int, payload: bytes) -> bytes:
-    """One netlink attribute, padded to 4 bytes."""
-    return _RTA.pack(4 + len(payload), atype) + payload + b"\0" * (-len(payload) % 4)
+def nlattr(atype: int, payload: bytes, nested: bool = False) -> bytes:
+    """One netlink attribute, padded to 4 bytes (``nested``: NLA_F_NESTED, which nfnetlink
+    wants on attributes that hold attributes)."""
+    return (_RTA.pack(4 + len(payload), atype | (_NLA_F_NESTED if nested else 0)) + payload
+            + b"\0" * (-len(payload) % 4))
 
 
-def _asciiz(text: str) -> bytes:
+def asciiz(text: str) -> bytes:
     return text.encode() + b"\0"
 
 
@@ -221,22 +226,22 @@ def veth_request(ifname: str, peer_ifname: str, peer_ns_fd: int) -> bytearray:
     ``peer_ns_fd``: byte for byte what ``IPRoute.link("add", ifname=..., kind="veth",
     peer={"ifname": ..., "net_ns_fd": fd})`` sends (tests/test_fabric.py compares them),
     without pyroute2's 0.5 ms of request filters per veth."""
-    peer = _IFINFO.pack(0, 0, 0, 0, 0) + _rta(_IFLA_IFNAME, _asciiz(peer_ifname)) \
-        + _rta(_IFLA_NET_NS_FD, struct.pack("=I", peer_ns_fd))
-    linkinfo = _rta(_IFLA_INFO_KIND, _asciiz("veth")) \
-        + _rta(_IFLA_INFO_DATA, _rta(_VETH_INFO_PEER, peer))
-    body = _IFINFO.pack(0, 0, 0, 0, 0) + _rta(_IFLA_IFNAME, _asciiz(ifname)) \
-        + _rta(_IFLA_LINKINFO, linkinfo)
-    return bytearray(_HDR.pack(16 + len(body), _RTM_NEWLINK, _NLM_F_CREATE_ACK, 0, 0) + body)
+    peer = _IFINFO.pack(0, 0, 0, 0, 0) + nlattr(_IFLA_IFNAME, asciiz(peer_ifname)) \
+        + nlattr(_IFLA_NET_NS_FD, struct.pack("=I", peer_ns_fd))
+    linkinfo = nlattr(_IFLA_INFO_KIND, asciiz("veth")) \
+        + nlattr(_IFLA_INFO_DATA, nlattr(_VETH_INFO_PEER, peer))
+    body = _IFINFO.pack(0, 0, 0, 0, 0) + nlattr(_IFLA_IFNAME, asciiz(ifname)) \
+        + nlattr(_IFLA_LINKINFO, linkinfo)
+    return bytearray(NLMSGHDR.pack(16 + len(body), _RTM_NEWLINK, _NLM_F_CREATE_ACK, 0, 0) + body)
 
 
 def addr_request(index: int, address: str, prefixlen: int) -> bytearray:
     """RTM_NEWADDR of an IPv4 address: what ``IPRoute.addr("add", index=..., address=...,
     prefixlen=...)`` sends (IFA_ADDRESS and IFA_LOCAL both the address)."""
     ip = socket.inet_aton(address)
-    body = _IFADDR.pack(socket.AF_INET, prefixlen, 0, 0, index) + _rta(_IFA_ADDRESS, ip) \
-        + _rta(_IFA_LOCAL, ip)
-    return bytearray(_HDR.pack(16 + len(body), _RTM_NEWADDR, _NLM_F_CREATE_ACK, 0, 0) + body)
+    body = _IFADDR.pack(socket.AF_INET, prefixlen, 0, 0, index) + nlattr(_IFA_ADDRESS, ip) \
+        + nlattr(_IFA_LOCAL, ip)
+    return bytearray(NLMSGHDR.pack(16 + len(body), _RTM_NEWADDR, _NLM_F_CREATE_ACK, 0, 0) + body)
 
 
 def _link_info(buf: bytes, offset: int, length: int) -> LinkInfo:
@@ -317,7 +322,7 @@ class Rtnl:
         kernel said it is done (ACK, DONE or the single answer of a get without ACK).
         ``want(buf, offset)`` skips answers before decoding; ``raw(buf, offset, length)``
         decodes them instead of pyroute2."""
-        _, _, flags, _, _ = _HDR.unpack_from(data)
+        _, _, flags, _, _ = NLMSGHDR.unpack_from(data)
         dump = flags & NLM_F_DUMP == NLM_F_DUMP
         acked = flags & 0x4 != 0          # NLM_F_ACK
         out: list = []
@@ -328,7 +333,7 @@ class Rtnl:
                 buf = self._recv()
                 offset, done = 0, False
                 while offset + 16 <= len(buf):
-                    length, mtype, _, mseq, _ = _HDR.unpack_from(buf, offset)
+                    length, mtype, _, mseq, _ = NLMSGHDR.unpack_from(buf, offset)
                     if length < 16:
                         break
                     if mseq == seq:
