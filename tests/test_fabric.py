@@ -271,10 +271,16 @@ def test_link_counters_and_state_match_a_full_dump(no_leftovers):
         dumper = LinkDumper(fab.hosts["h1"].ns)
         try:
             assert probes.reachable(fab, "h1", "h2", "r0")
-            fast, full = dumper.dump(), dumper._full()
+            # the link is not silent between two reads (IPv6 neighbour discovery sent 90
+            # bytes once), so the fast read must lie between a full read before and after it
+            before = dumper._full()
+            fast = dumper.dump()
+            full = dumper._full()
             assert dumper.getstats, "this kernel answers RTM_GETSTATS (4.7 and later)"
             assert set(fast) == set(full) >= {"r0", "r1"}
-            assert fast["r0"][:2] == full["r0"][:2] and fast["r0"][0] > 0
+            for i in (0, 1):
+                assert before["r0"][i] <= fast["r0"][i] <= full["r0"][i], (before, fast, full)
+            assert fast["r0"][0] > 0
             fab.links["h1.r1"].set_state(False)
             assert dumper.dump()["r1"][-1] is False and dumper.dump()["r0"][-1] is True
             fab.links["h1.r1"].set_state(True)
