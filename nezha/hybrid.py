@@ -47,8 +47,12 @@ HALF_SLACK = 3.0           # ...and this many times its predicted time (HOT): a 
                            # rail costs this much before the range moves to the ring
 COLD_TIMEOUT = 10.0        # ...or this (COLD; but at most 1 s or twice the ring half's time
                            # after the ring half ended), never more than the context's timeout
-AGG_CHUNK = 1 << 20        # bytes per switch key: 256 KiB measured the same (16 MiB, 4 hosts,
-AGG_WINDOW = 8 << 20       # 150 Mbit/s: 291 vs 287 Mbit/s busbw); in flight per switch
+# bytes per switch key: the switch answers a key once every rank's whole chunk is in, so an
+# operation's first result waits a chunk's transfer; 256 KiB against 1 MiB took the switch
+# half from 0.89 to 0.97 of its wire (16 MiB, 4 hosts, 150 Mbit/s: 341-345 vs 326 Mbit/s
+# busbw). Smaller (128 KiB) gained nothing more and costs the switch more frames
+AGG_CHUNK = 256 << 10
+AGG_WINDOW = 8 << 20       # bytes in flight per switch
 CLOSE_WAIT = 5.0           # for a half to end once its channel was closed under it
 HISTORY = 1024             # operations remembered for stats (the split of each)
 
@@ -133,7 +137,7 @@ class HybridAllreduce:
 
     def __init__(self, rank: int, world: int, tcp_rails: int,
                  aggregators: tuple[tuple[str, str, int], ...], secret, job: str,
-                 timeout: float, events) -> None:
+                 timeout: float, events, congestion: str = "") -> None:
         if not aggregators:
             raise ConfigError("NEZHA_AGGREGATORS: no aggregation switch given")
         self.rank, self.world, self.timeout, self.events = rank, world, timeout, events
@@ -142,7 +146,8 @@ class HybridAllreduce:
         def open_channel(address: str, port: int, t: float) -> AggregationChannel:
             return AggregationChannel(address, port, rank, world, secret, job,
                                       timeout=timeout, connect_timeout=t,
-                                      chunk_bytes=AGG_CHUNK, window=AGG_WINDOW)
+                                      chunk_bytes=AGG_CHUNK, window=AGG_WINDOW,
+                                      congestion=congestion)
         self.switches = [Switch(r, a, p, open_channel) for r, a, p in aggregators]
         for sw in self.switches:
             if not sw.connect(2.0):

@@ -95,6 +95,10 @@ def test_ranks_in_the_hosts_allreduce_through_the_switch(no_leftovers):
         assert (agg.ns, agg.endpoint) == (sw, "198.18.1.254:29400")
         assert fab.aggregator_env() == "r1=198.18.1.254:29400"
         assert agg.proc.pid in netns.pids_in(sw)            # in the switch, not the root
+        # its connections use the ranks' TCP (the topology's, else cubic), not the host's
+        argv = Path(f"/proc/{agg.proc.pid}/cmdline").read_bytes().split(b"\0")
+        cc = fab.caps.congestion_control(fab.topo)
+        assert cc and argv[argv.index(b"--congestion") + 1].decode() == cc
         recorded = json.loads(fab.state.path.read_text())["objects"]
         assert {"kind": "aggregator", "ns": sw, "rail": "r1", "address": "198.18.1.254",
                 "port": 29400, "pid": agg.proc.pid} in recorded
@@ -134,7 +138,7 @@ def test_a_switch_that_does_not_answer_fails_the_build(monkeypatch, no_leftovers
                                                        message):
     started = []
 
-    def bogus(rail, ns, address, port, secret, rate):
+    def bogus(rail, ns, address, port, secret, rate, congestion=None):
         log = tempfile.TemporaryFile()
         proc = netns.popen(ns, [sys.executable, *argv], stdout=log, stderr=subprocess.STDOUT)
         started.append(proc)

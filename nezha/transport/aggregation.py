@@ -27,7 +27,7 @@ import numpy as np
 from .. import aggwire, auth
 from ..errors import (AggregationRefused, AggregatorError, AggregatorTimeout,
                       AggregatorUnavailable, ConfigError, ProtocolError)
-from .base import recv_exact_into, send_vec
+from .base import recv_exact_into, send_vec, set_congestion
 
 DEFAULT_CHUNK = 1 << 20           # bytes per chunk of a pipelined allreduce
 DEFAULT_WINDOW = 8 << 20          # bytes of contributions in flight per channel
@@ -62,7 +62,7 @@ class AggregationChannel:
                  secret: str | bytes | None = None, job: str = "nezha", *,
                  timeout: float = 30.0, connect_timeout: float = 5.0,
                  window: int = DEFAULT_WINDOW, chunk_bytes: int = DEFAULT_CHUNK,
-                 source: Optional[str] = None) -> None:
+                 source: Optional[str] = None, congestion: str = "") -> None:
         if not 0 <= rank < world <= aggwire.MAX_WORLD:
             raise ConfigError(f"rank {rank} / world {world}: expected 0 <= rank < world <= "
                               f"{aggwire.MAX_WORLD}")
@@ -71,6 +71,7 @@ class AggregationChannel:
                               f"chunk_bytes <= {aggwire.MAX_CHUNK} and window >= chunk_bytes")
         self.address, self.port, self.rank, self.world, self.job = address, port, rank, world, job
         self.timeout, self.window, self.chunk_bytes = timeout, window, chunk_bytes
+        self.congestion = congestion
         self._secret = auth.secret_bytes(secret)
         self._pending: dict[tuple[int, int], Pending] = {}
         self._cond = threading.Condition()
@@ -90,6 +91,11 @@ class AggregationChannel:
         except OSError as e:
             raise AggregatorUnavailable(f"aggregation switch {self.address}:{self.port}: "
                                         f"{e.strerror or e}") from None
+        try:
+            set_congestion(s, self.congestion, "NEZHA_TCP_CONGESTION")
+        except ConfigError:
+            s.close()
+            raise
         try:
             s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             s.setsockopt(socket.IPPROTO_TCP, TCP_USER_TIMEOUT, int(self.timeout * 1000))

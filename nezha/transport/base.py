@@ -36,6 +36,20 @@ def recv_exact_into(sock, view, what="frame", counter=None) -> bool:
     return True
 
 
+def set_congestion(sock: socket.socket, name: str, setting: str) -> None:
+    """TCP congestion control ``name`` on ``sock`` (nothing if empty); ConfigError naming
+    ``setting`` if the kernel refuses it. Every TCP path of a job uses the same one: the
+    aggregation switch's connections under the host's default (bbr here) ran at 0.8 of their
+    link next to a cubic ring."""
+    if not name:
+        return
+    try:   # TCP_CONGESTION: per socket, whatever the host's default is
+        sock.setsockopt(socket.IPPROTO_TCP, 13, name.encode())
+    except OSError as e:
+        raise ConfigError(f"{setting}={name!r}: the kernel refused it ({e.strerror or e}); see "
+                          f"/proc/sys/net/ipv4/tcp_available_congestion_control") from e
+
+
 def _consume(bufs: list, n: int) -> None:
     """Drop the first ``n`` bytes of ``bufs`` (memoryviews), in place."""
     while n:
@@ -95,13 +109,11 @@ class Transport:
         raise NotImplementedError
 
     def _set_congestion(self, s: socket.socket) -> None:
-        try:   # TCP_CONGESTION: per socket, whatever the host's default is
-            s.setsockopt(socket.IPPROTO_TCP, 13, self.congestion.encode())
-        except OSError as e:
+        try:
+            set_congestion(s, self.congestion, "NEZHA_TCP_CONGESTION")
+        except ConfigError:
             if self.name != "mptcp" or s.proto != 262:
-                raise ConfigError(f"NEZHA_TCP_CONGESTION={self.congestion!r}: the kernel "
-                                  f"refused it ({e.strerror or e}); see /proc/sys/net/ipv4/"
-                                  f"tcp_available_congestion_control") from e
+                raise
             # older kernels refuse it on MPTCP sockets: their subflows use the default
 
     def tune(self, s: socket.socket):

@@ -30,6 +30,12 @@ class TcpInfo(NamedTuple):
                 "unacked": self.unacked, "retrans": self.retrans, "backoff": self.backoff}
 
 
+# the fields at their offsets in struct tcp_info: tcpi_backoff (4), rto (8), unacked (24),
+# last_data_recv (52), last_ack_recv (56), rtt (68), snd_cwnd (80), total_retrans (100),
+# delivered (192)
+_FIELDS = struct.Struct("=4xB3xI12xI24xII8xI8xI16xI88xI")
+
+
 def tcp_info(sock) -> Optional[TcpInfo]:
     """TCP_INFO of ``sock``, or None where the kernel does not give it (MPTCP, non-Linux)."""
     try:
@@ -38,7 +44,8 @@ def tcp_info(sock) -> Optional[TcpInfo]:
         return None
     if len(b) < 200:
         return None
-    u32 = lambda off: struct.unpack_from("I", b, off)[0]  # noqa: E731
-    return TcpInfo(delivered=u32(192), unacked=u32(24), rto=u32(8) / 1e6,
-                   last_ack=u32(56) / 1e3, rtt=u32(68) / 1e6, cwnd=u32(80), retrans=u32(100),
-                   backoff=b[4], last_data_recv=u32(52) / 1e3)
+    (backoff, rto, unacked, last_data_recv, last_ack, rtt, cwnd, retrans,
+     delivered) = _FIELDS.unpack_from(b)
+    return TcpInfo(delivered=delivered, unacked=unacked, rto=rto / 1e6, last_ack=last_ack / 1e3,
+                   rtt=rtt / 1e6, cwnd=cwnd, retrans=retrans, backoff=backoff,
+                   last_data_recv=last_data_recv / 1e3)

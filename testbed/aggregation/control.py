@@ -49,12 +49,15 @@ class Aggregator:
 
 
 def start(rail: str, ns: str, address: str, port: int, secret: str,
-          rate_bps: Optional[int]) -> Aggregator:
+          rate_bps: Optional[int], congestion: Optional[str] = None) -> Aggregator:
     """Start the service inside ``ns`` (nsenter; the process never runs in the root
-    namespace). Returns at once: ``wait_ready`` reads it back."""
+    namespace), its connections under ``congestion`` (the ranks' TCP). Returns at once:
+    ``wait_ready`` reads it back."""
     argv = [sys.executable, "-m", "testbed.aggregation.service", "--listen", f"{address}:{port}"]
     if rate_bps:
         argv += ["--rate", f"{rate_bps}bit"]
+    if congestion:
+        argv += ["--congestion", congestion]
     env = dict(os.environ, NEZHA_JOB_SECRET=secret, PYTHONUNBUFFERED="1",
                PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT),
                                                         os.environ.get("PYTHONPATH")])))

@@ -20,6 +20,7 @@ import logging
 import os
 import re
 import signal
+import socket
 import sys
 from dataclasses import dataclass
 from typing import Optional
@@ -27,6 +28,7 @@ from typing import Optional
 from nezha import aggwire, auth
 from nezha.aggwire import Header
 from nezha.errors import ConfigError, ProtocolError
+from nezha.transport.base import set_congestion
 from testbed.aggregation.pacing import TokenBucket
 from testbed.aggregation.table import Entry, Limits, Refused, Table
 
@@ -34,6 +36,7 @@ log = logging.getLogger("testbed.aggregation")
 HANDSHAKE_TIMEOUT = 5.0           # s a connection has for its whole handshake
 MAX_CONNECTIONS = 256
 MAX_QUEUED = 64 << 20              # bytes of results queued for one connection before it is cut
+DRAIN_ABOVE = 16 << 20             # ...and above which its next contribution waits for them
 READ_BUFFER = 4 << 20             # StreamReader buffer (flow control), not a bound on frames
 READ_BUDGET = 64 << 20            # payload bytes being read at once, all connections together
 JOB_RE = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
@@ -89,8 +92,10 @@ class Service:
     """Serve one job secret's ranks: reduce per key, answer every contributor."""
 
     def __init__(self, secret: bytes = b"", limits: Limits = Limits(),
-                 rate_bps: Optional[int] = None, max_connections: int = MAX_CONNECTIONS) -> None:
+                 rate_bps: Optional[int] = None, max_connections: int = MAX_CONNECTIONS,
+                 congestion: str = "") -> None:
         self.secret = secret
+        self.congestion = congestion      # the ranks' (their TCP rails'): the same TCP
         self.limits = limits
         self.table = Table(limits)
         self.bucket = TokenBucket(rate_bps)
@@ -106,6 +111,8 @@ class Service:
         """Listen; returns the port (0 picks a free one)."""
         self.server = await asyncio.start_server(self._handle, host, port,
                                                  limit=READ_BUFFER)
+        for s in self.server.sockets:     # accepted connections inherit it
+            set_congestion(s, self.congestion, "--congestion")
         self._sweeper = asyncio.create_task(self._sweep())
         return self.server.sockets[0].getsockname()[1]
 
@@ -219,7 +226,8 @@ class Service:
                 await self.budget.give(h.length)
             if entry is not None:
                 await self._answer(h, entry)
-            await conn.writer.drain()
+            if conn.writer.transport.get_write_buffer_size() > DRAIN_ABOVE:
+                await conn.writer.drain()
 
     def _fold(self, conn: Conn, h: Header, payload: bytes, now: float) -> Optional[Entry]:
         """One contribution into the table: the entry if it completed its key; a refusal is
@@ -297,6 +305,9 @@ def _args(argv: Optional[list[str]]) -> argparse.Namespace:
                                             "(job secret: NEZHA_JOB_SECRET)")
     p.add_argument("--listen", required=True, help="ADDR:PORT to listen on")
     p.add_argument("--rate", default=None, help="reduction rate, e.g. 200mbit (default: none)")
+    p.add_argument("--congestion", default="",
+                   help="TCP congestion control of its connections, e.g. cubic (the ranks'; "
+                        "default: the namespace's)")
     p.add_argument("--key-timeout", type=float, default=Limits.key_timeout)
     p.add_argument("--max-keys", type=int, default=Limits.max_keys)
     p.add_argument("--max-bytes", type=int, default=Limits.max_bytes)
@@ -308,7 +319,8 @@ def _args(argv: Optional[list[str]]) -> argparse.Namespace:
 
 
 def _config(a: argparse.Namespace) -> tuple[str, int, Limits, Optional[int]]:
-    """(host, port, limits, rate) from the arguments; ConfigError naming the bad one."""
+    """(host, port, limits, rate) from the arguments; ConfigError naming the bad one (a
+    congestion control the kernel does not have is refused here, not per connection)."""
     from testbed.model.units import parse_rate     # the topology's rate syntax
     host, _, port = a.listen.rpartition(":")
     if not host or not port.isdigit() or not 0 < int(port) < 65536:
@@ -321,6 +333,9 @@ def _config(a: argparse.Namespace) -> tuple[str, int, Limits, Optional[int]]:
         raise ConfigError(f"--max-chunk / --max-world: at most {aggwire.MAX_CHUNK} / "
                           f"{aggwire.MAX_WORLD}")
     rate = parse_rate(a.rate, "--rate") if a.rate else None
+    if a.congestion:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            set_congestion(probe, a.congestion, "--congestion")
     limits = Limits(max_keys=a.max_keys, max_bytes=a.max_bytes, max_jobs=a.max_jobs,
                     key_timeout=a.key_timeout, max_chunk=a.max_chunk, max_world=a.max_world)
     return host, int(port), limits, rate
@@ -329,7 +344,7 @@ def _config(a: argparse.Namespace) -> tuple[str, int, Limits, Optional[int]]:
 async def _main(a: argparse.Namespace) -> None:
     host, port, limits, rate = _config(a)
     service = Service(auth.secret_bytes(os.environ.get("NEZHA_JOB_SECRET"), "NEZHA_JOB_SECRET"),
-                      limits, rate, a.max_connections)
+                      limits, rate, a.max_connections, a.congestion)
     await service.start(host, port)
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -393,7 +393,8 @@ class Fabric:
         ns = self.rails[rail.name].ns
         agg = aggregation.start(rail.name, ns, str(rail.switch_address.ip),
                                 self.aggregation_port, self.job_secret,
-                                rail.aggregation_rate_bps)
+                                rail.aggregation_rate_bps,
+                                self.caps.congestion_control(self.topo))
         self.aggregators[rail.name] = agg
         for obj in self.state.objects:                    # nsenter execs: the service
             if obj.get("kind") == "aggregator" and obj.get("rail") == rail.name:

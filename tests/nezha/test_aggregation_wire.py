@@ -384,6 +384,37 @@ def test_aggregator_addresses_and_service_arguments_are_checked():
         _config(_args(["--listen", "1.2.3.4:9", "--rate", "100"]))
 
 
+def _congestion(sock) -> str:
+    return sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, 16).rstrip(b"\0").decode()
+
+
+def test_both_ends_of_a_switch_connection_use_the_jobs_congestion_control():
+    """The switch half under the host's default (bbr here) and the ring under the job's cubic
+    ran the switch at 0.8 of its wire: both ends take the job's (reno: built into every
+    kernel, and not this machine's default)."""
+    from nezha.errors import ConfigError
+    from testbed.aggregation.service import _args, _config
+    default = open("/proc/sys/net/ipv4/tcp_congestion_control").read().strip()
+    want = "reno" if default != "reno" else "cubic"
+    r = Running(Service(auth.secret_bytes(SECRET), Limits(key_timeout=2.0), congestion=want))
+    try:
+        chs = channels(r, 2, congestion=want)
+        x = inputs(2, 1000, "float32")
+        outs = run_all(chs, lambda i, ch: ch.allreduce(1, x[i], "sum"))
+        assert all(np.array_equal(o, x[0] + x[1]) for o in outs)
+        assert [_congestion(ch._sock) for ch in chs] == [want, want]
+        served = [w.get_extra_info("socket") for w in list(r.service._handlers.values())]
+        assert len(served) == 2 and {_congestion(s) for s in served} == {want}
+        for ch in chs:
+            ch.close()
+        with pytest.raises(ConfigError, match="NEZHA_TCP_CONGESTION='no-such-cc'"):
+            AggregationChannel("127.0.0.1", r.port, 0, 2, SECRET, congestion="no-such-cc")
+    finally:
+        r.stop()
+    with pytest.raises(ConfigError, match="--congestion='no-such-cc'"):
+        _config(_args(["--listen", "1.2.3.4:9", "--congestion", "no-such-cc"]))
+
+
 def test_jobs_and_bytes_in_the_middle_of_a_read_are_bounded():
     from testbed.aggregation.service import ByteBudget
     r = Running(Service(auth.secret_bytes(SECRET), Limits(max_jobs=1)))
