@@ -438,7 +438,10 @@ class Connection:
             return 0
         now, cur = time.monotonic(), self.arrived()
         ref = None
-        for t, a in reversed(self.arrivals):
+        # one C-level copy: the health thread appends a tick's sample meanwhile, and iterating
+        # the deque itself raised "deque mutated during iteration" in this (the reader's)
+        # thread, which is fatal to the job (32 hosts on 2 cores)
+        for t, a in reversed(tuple(self.arrivals)):
             ref = a
             if t <= now - seconds:
                 break
