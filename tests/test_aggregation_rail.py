@@ -34,6 +34,27 @@ rails:
 
 
 # ------------------------------------------------------------------------ the spec
+def test_nezhas_rail_numbers_name_its_tcp_rails_whatever_the_file_order():
+    """Nezha numbers the rails it is given (the TCP ones, NEZHA_RAILS); with the aggregation
+    rail listed first its rail 1 is r2, and the analysis must say so (it said r1)."""
+    from testbed.analysis.timeline import Timeline
+    topo = spec.loads("""
+        name: aggfirst
+        hosts: 3
+        rails:
+          - {name: r0, bandwidth: 100mbit, protocol: aggregation}
+          - {name: r1, bandwidth: 100mbit}
+          - {name: r2, bandwidth: 100mbit}
+        """)
+    assert topo.rail_order == ["r1", "r2", "r0"]
+    assert spec.loads(AGG).rail_order == ["r0", "r1"]          # TCP first already: unchanged
+    events = [{"t": 1.0, "event": "rail_down", "rank": 1, "peer": 0, "rail": 1},
+              {"t": 2.0, "event": "agg_down", "rank": 0, "rail": "r0"}]
+    rows = Timeline.merge(samples=None, faults=[], events=events, iterations=[], t0=0.0,
+                          rails=topo.rail_order).records
+    assert [r.get("rail_name") for r in rows if r.get("event")] == ["r2", "r0"]
+
+
 def test_aggregation_rail_resolves_its_switch_address():
     topo = spec.loads(AGG)
     r0, r1 = topo.rails

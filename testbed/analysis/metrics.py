@@ -196,7 +196,7 @@ class _Run:
 
     @property
     def rails(self) -> list[str]:
-        return [r.name for r in self.topo.rails]
+        return self.topo.rail_order
 
     @property
     def floor_bps(self) -> float:

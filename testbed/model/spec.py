@@ -124,6 +124,15 @@ class Topology:
     source: Optional[str] = None
     raw: Mapping[str, Any] = field(default_factory=dict)       # the document as written
 
+    @property
+    def rail_order(self) -> list[str]:
+        """The rails as Nezha's events number them: its TCP rails in file order (its
+        NEZHA_RAILS, rail 0, 1, ...), then the aggregation rails, which it reaches as another
+        protocol (events name those). With an aggregation rail listed first, file order gave
+        Nezha's rail 0 the aggregation rail's name."""
+        tcp = [r.name for r in self.rails if r.protocol != "aggregation"]
+        return tcp + [r.name for r in self.rails if r.name not in tcp]
+
     def rail(self, name: str) -> RailSpec:
         for r in self.rails:
             if r.name == name:

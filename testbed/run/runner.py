@@ -185,7 +185,8 @@ def _analyse(topo: Topology, scenario: Scenario, obs: Observed) -> report.RunRes
                             obs.t0, extra=extra, flows=obs.flows)
     v = verdict_mod.judge(scenario.expect, m)
     timeline = Timeline.merge(samples=obs.samples, faults=obs.faults, events=events,
-                              iterations=iterations, t0=obs.t0, flows=obs.flows)
+                              iterations=iterations, t0=obs.t0, flows=obs.flows,
+                              rails=topo.rail_order)
     compare = scenario.workload and scenario.workload.kind in ("compare", "sweep")
     results = report.RunResults(topo, scenario, m, v, obs.faults, obs.samples, timeline,
                                 phases=phases if compare else None, flows=obs.flows)
