@@ -36,7 +36,6 @@ log = logging.getLogger("testbed.aggregation")
 HANDSHAKE_TIMEOUT = 5.0           # s a connection has for its whole handshake
 MAX_CONNECTIONS = 256
 MAX_QUEUED = 64 << 20              # bytes of results queued for one connection before it is cut
-DRAIN_ABOVE = 16 << 20             # ...and above which its next contribution waits for them
 READ_BUFFER = 4 << 20             # StreamReader buffer (flow control), not a bound on frames
 READ_BUDGET = 64 << 20            # payload bytes being read at once, all connections together
 JOB_RE = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
@@ -226,8 +225,7 @@ class Service:
                 await self.budget.give(h.length)
             if entry is not None:
                 await self._answer(h, entry)
-            if conn.writer.transport.get_write_buffer_size() > DRAIN_ABOVE:
-                await conn.writer.drain()
+            await conn.writer.drain()
 
     def _fold(self, conn: Conn, h: Header, payload: bytes, now: float) -> Optional[Entry]:
         """One contribution into the table: the entry if it completed its key; a refusal is

@@ -203,7 +203,7 @@ def plot_throughput(path: Path, topo, metrics: Metrics, samples: Optional[Sample
         t_max = float(x[-1]) if len(x) else 1.0
         comp = competing_bps(rates, flows) if flows else {}
         work = workload_bps(rates, comp)
-        for i, r in enumerate(topo.rail_order):
+        for i, r in enumerate([rl.name for rl in topo.rails]):
             if r not in rates.rail_bps:
                 continue
             c = f"C{i}"
