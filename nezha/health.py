@@ -89,6 +89,8 @@ RX_FLOOR = 0.1           # ...and at least this (s)
 RX_RECHECK = 0.02        # s before a quiet rail that owed nothing is asked about again
 Q_ARRIVALS, Q_ACKS = 1, 2   # the questions that also go as datagrams (pathprobe.question)
 PROBE_EARLY = 0.3        # of the watchdog's limit: path probes start, so their verdict is in
+UNHEARD_S = 1.0          # s a peer may leave its first probes unanswered before it counts as
+                         # one that never answers them (UDP filtered), not as a slow one
 
 
 class RailStalled(CommError):
@@ -383,9 +385,12 @@ class Health:
         verdict = self.prober.verdict(conn.peer, conn.rail, now, self._ref_rail(conn),
                                       self._probe_timeout(conn))
         if verdict is None:
-            if conn.peer not in self.prober.heard and now - conn.dead_t > self.check_timeout:
-                # this peer never answered a probe (UDP filtered on the way?): the evidence
-                # alone decides, as it did before there were probes
+            if conn.peer not in self.prober.heard and now - conn.dead_t > self.check_timeout \
+                    and now - self.prober.first_asked.get(conn.peer, now) > UNHEARD_S:
+                # this peer never answered a probe in all that time (UDP filtered on the
+                # way?): the evidence alone decides, as it did before there were probes. Not
+                # sooner: a peer first probed 100 ms ago on a host that runs 32 ranks on 2
+                # cores has not answered yet either, and its rails were failed on that
                 why, conn.dead_why = conn.dead_why, ""
                 self.suspect(conn, why + "; no path probe was ever answered by this peer")
                 return True

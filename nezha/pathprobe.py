@@ -98,6 +98,7 @@ class PathProber:
         self.answered = 0                      # probes of our peers we answered (stats)
         self.inconclusive = 0                  # bursts that neither rail answered (stats)
         self.heard: set[int] = set()           # peers that ever answered a probe
+        self.first_asked: dict[int, float] = {}   # peer -> when it was first probed
         # health.py: (what, peer, rail, window) -> answer, and (what, peer, rail, id, answer)
         self.on_question: Optional[Callable[[int, int, int, float], int]] = None
         self.on_answer: Optional[Callable[[int, int, int, int, int], None]] = None
@@ -130,6 +131,7 @@ class PathProber:
         if not self.available(rail):
             return
         with self.lock:
+            self.first_asked.setdefault(peer, now)
             for r in (rail, ref):
                 if r is None or not self.available(r):
                     continue

@@ -187,3 +187,28 @@ def test_a_stranger_gets_no_answer_to_a_question(pair):
         assert asked == []
     finally:
         stranger.close()
+
+
+def test_a_peer_probed_for_the_first_time_is_slow_before_it_is_deaf():
+    """health.py judges a peer that never answered a probe (UDP filtered) on its other
+    evidence alone, but only once it had a second to answer: 32 ranks on 2 cores took rails
+    for dead 100 ms after their peer's first probes, which it had not yet had the CPU to
+    answer. Stand-ins for the engine and the prober: every verdict is "no answer yet"."""
+    from types import SimpleNamespace
+
+    from nezha.health import UNHEARD_S, Health
+    prober = SimpleNamespace(heard=set(), first_asked={}, available=lambda rail: True,
+                             verdict=lambda *a, **k: None)
+    prober.ask = lambda peer, rail, now, ref=None: prober.first_asked.setdefault(peer, now)
+    eng = SimpleNamespace(rank=0, events=SimpleNamespace(emit=lambda *a, **k: None),
+                          balancer=SimpleNamespace(est=[SimpleNamespace(a=0.0, b=1e-8)] * 2),
+                          live_rails=lambda peer, data=True: [0, 1])
+    health = Health(eng, lambda *a: None, [], prober=prober)
+    failed = []
+    conn = SimpleNamespace(peer=1, rail=0, sock=None, tcp_info_ok=False, suspected=False,
+                           dead_why="", dead_t=0.0, fail=failed.append)
+    t = 1000.0
+    health.dead(conn, "nothing received for 265 ms", t)
+    assert not health._judge(conn, t + 2 * health.check_timeout) and not failed
+    assert health._judge(conn, t + UNHEARD_S + 0.01)
+    assert "no path probe was ever answered" in str(failed[0])
