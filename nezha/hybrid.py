@@ -49,7 +49,7 @@ COLD_TIMEOUT = 10.0        # ...or this (COLD; but at most 1 s or twice the ring
                            # after the ring half ended), never more than the context's timeout
 # bytes per switch key: the switch answers a key once every rank's whole chunk is in, so an
 # operation's first result waits a chunk's transfer; 256 KiB against 1 MiB took the switch
-# half from 0.89 to 0.97 of its wire (16 MiB, 4 hosts, 150 Mbit/s: 341-345 vs 326 Mbit/s
+# half from 0.87 to 0.93-0.97 of its wire (16 MiB, 4 hosts, 150 Mbit/s: 341-345 vs 326 Mbit/s
 # busbw). Smaller (128 KiB) gained nothing more and costs the switch more frames
 AGG_CHUNK = 256 << 10
 AGG_WINDOW = 8 << 20       # bytes in flight per switch

@@ -125,12 +125,17 @@ class Topology:
     raw: Mapping[str, Any] = field(default_factory=dict)       # the document as written
 
     @property
+    def tcp_rails(self) -> list[RailSpec]:
+        """The rails a rank drives as TCP rails, in file order: what nezha numbers 0, 1, ...
+        (NEZHA_RAILS; the aggregation rails it reaches as another protocol)."""
+        return [r for r in self.rails if r.protocol == "tcp"]
+
+    @property
     def rail_order(self) -> list[str]:
-        """The rails as Nezha's events number them: its TCP rails in file order (its
-        NEZHA_RAILS, rail 0, 1, ...), then the aggregation rails, which it reaches as another
-        protocol (events name those). With an aggregation rail listed first, file order gave
-        Nezha's rail 0 the aggregation rail's name."""
-        tcp = [r.name for r in self.rails if r.protocol != "aggregation"]
+        """The rails as Nezha's events number them: its TCP rails, then the aggregation rails
+        (events name those). With an aggregation rail listed first, file order gave Nezha's
+        rail 0 the aggregation rail's name."""
+        tcp = [r.name for r in self.tcp_rails]
         return tcp + [r.name for r in self.rails if r.name not in tcp]
 
     def rail(self, name: str) -> RailSpec:

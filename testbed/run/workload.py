@@ -163,12 +163,11 @@ class WorkloadRunner:
         (an aggregation rail is an IP network too: "MPTCP over both rails"); every other
         system only the TCP ones, since nezha reaches an aggregation rail's switch through
         NEZHA_AGGREGATORS as the other protocol it is, not as one more TCP rail."""
-        rails = list(self.fabric.topo.rails)
+        topo = self.fabric.topo
         if phase.system == "mptcp" or (phase.system == "command" and
                                        self.workload.system == "mptcp"):
-            return rails
-        tcp = [r for r in rails if getattr(r, "protocol", "tcp") == "tcp"]
-        return tcp or rails
+            return list(topo.rails)
+        return topo.tcp_rails or list(topo.rails)
 
     def torchrun_env(self, rank: int, port: int) -> dict[str, str]:
         """What torchrun would set for one process per host, so that a training script's
