@@ -342,7 +342,8 @@ def test_the_testbed_gives_every_rank_of_a_run_one_secret(tmp_path):
     from types import SimpleNamespace
 
     from testbed.run.workload import Phase, WorkloadRunner
-    topo = SimpleNamespace(hosts=["h1", "h2"], rails=[SimpleNamespace(name="r0")],
+    rails = [SimpleNamespace(name="r0")]
+    topo = SimpleNamespace(hosts=["h1", "h2"], rails=rails, tcp_rails=rails,
                            address=lambda host, rail: f"198.18.0.{host[1:]}")
     fabric = SimpleNamespace(topo=topo, caps=SimpleNamespace(congestion_control=lambda t: ""))
     w = SimpleNamespace(hosts=None, system="nezha", kind="command")
