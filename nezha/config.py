@@ -31,6 +31,9 @@ NEZHA_SOCKBUF               int      (autotuning)    SO_SNDBUF/SO_RCVBUF bytes; 
 NEZHA_TCP_USER_TIMEOUT_MS   int      the timeout     TCP_USER_TIMEOUT; 0 = the context timeout
 NEZHA_NOTSENT_LOWAT         int      262144          TCP_NOTSENT_LOWAT bytes (256 KiB); 0 = off
 NEZHA_TCP_CONGESTION        str      (host default)  per-socket congestion control, e.g. cubic
+NEZHA_TCP_RTO_MIN_MS        float    5               per-socket least retransmission timeout
+                                                     (TCP_RTO_MIN_US, Linux >= 6.15); 0 = the
+                                                     kernel's (200 ms); a route's rto_min wins
 NEZHA_STAGING_LIMIT         int      1073741824      bytes staged before their receive; 0 = 1 GiB
 NEZHA_PIPE_BLOCK            int      2097152         ring pipeline block bytes (2 MiB)
 NEZHA_DIRECT_MAX            int      262144          nezha, up to 8 ranks: one-round allreduce
@@ -117,6 +120,13 @@ class _Env:
             raise ConfigError(f"{name}={self.str(name)!r}: must be 0 or more")
         return v
 
+    def rto_min_ms(self, name: str, default: float) -> float:
+        v = self.nonneg_float(name, default)
+        if v > 200:
+            raise ConfigError(f"{name}={self.str(name)!r}: must be 0 (the kernel's) or at most "
+                              f"200 ms (the kernel's own minimum RTO; TCP_RTO_MIN_US refuses more)")
+        return v
+
     def choice(self, name: str, allowed: tuple[str, ...], default: str) -> str:
         v = self.str(name, default)
         if v not in allowed:
@@ -176,6 +186,7 @@ class Config:
     tcp_user_timeout_ms: Optional[int] = None
     notsent_lowat: int = 256 << 10
     tcp_congestion: str = ""
+    tcp_rto_min_ms: float = 5.0       # transport.base.set_rto_min
     staging_limit: int = 1 << 30
     pipe_block: int = 2 << 20
     direct_max: int = 256 << 10       # collectives.use_direct
@@ -210,6 +221,7 @@ class Config:
             tcp_user_timeout_ms=e.int("NEZHA_TCP_USER_TIMEOUT_MS") or None,
             notsent_lowat=e.int("NEZHA_NOTSENT_LOWAT", d.notsent_lowat),
             tcp_congestion=e.str("NEZHA_TCP_CONGESTION", ""),
+            tcp_rto_min_ms=e.rto_min_ms("NEZHA_TCP_RTO_MIN_MS", d.tcp_rto_min_ms),
             staging_limit=e.int("NEZHA_STAGING_LIMIT") or d.staging_limit,
             pipe_block=e.int("NEZHA_PIPE_BLOCK", d.pipe_block),
             direct_max=e.nonneg_int("NEZHA_DIRECT_MAX", d.direct_max),

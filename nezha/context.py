@@ -93,7 +93,8 @@ class Context:
                                  rail_cpu_s=cfg.rail_cpu_us * 1e-6)
         self._engine = Engine(self.rank, self.world_size, self.nrails, self.balancer,
                               self.events, cfg)
-        self.events.emit("init", system=self.system, world=self.world_size, rails=self.rail_addrs)
+        self.events.emit("init", system=self.system, world=self.world_size, rails=self.rail_addrs,
+                         tcp_rto_min_ms=self._transport.rto_min_ms)
         try:
             self._join(store, master, serve_store, group)
         except BaseException as e:

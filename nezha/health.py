@@ -9,8 +9,8 @@
    whether bytes still reach it on that connection. Nothing (or no answer within
    CHECK_TIMEOUT) means a black hole, if the probes agree; some means slow, not dead. A
    congested or lossy rail keeps returning ACKs while delivery waits on a retransmission; the
-   RTO term keeps a plain loss from triggering a check; lower the routes' ``rto_min`` for
-   faster detection. Kernel ACKs are used, not nezha ACKs, because a nezha ACK may wait behind
+   RTO term keeps a plain loss from triggering a check; the sockets' minimum RTO
+   (``NEZHA_TCP_RTO_MIN_MS``, or the routes' ``rto_min``) keeps detection fast. Kernel ACKs are used, not nezha ACKs, because a nezha ACK may wait behind
    bulk data going the other way. Where TCP_INFO is not available (MPTCP), nezha ACKs are
    used with a 10x larger limit; receivers acknowledge staged chunks with a progress-only
    ACK, so a peer that is merely behind is not taken for dead. Only segments in flight

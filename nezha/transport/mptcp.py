@@ -35,7 +35,9 @@ as root in every host's namespace; the testbed does it once per run). Each choic
 * **No short TCP_USER_TIMEOUT on subflows**: a subflow the kernel gives up on is closed, and
   the in-kernel path manager never opens it again (the rail would be lost to that connection
   for good); the transport's TCP_USER_TIMEOUT is the job's timeout. The routes' ``rto_min``
-  (the testbed's ``tcp: {rto_min}``) applies to every subflow as to any TCP connection.
+  (the testbed's ``tcp: {rto_min}``) applies to every subflow as to any TCP connection; the
+  per-socket minimum the TCP rails take (``NEZHA_TCP_RTO_MIN_MS``) does not: MPTCP sockets
+  refuse TCP_RTO_MIN_US (ENOPROTOOPT on Linux 6.18), so the baseline keeps the routes'.
 * **No rail link events** (``link_events = False``): nezha/health.py fails a rail's
   connections when its interface goes down; for MPTCP that rail is the whole connection,
   whose subflows the kernel moves. With it, a link-down of r0 failed every MPTCP connection
@@ -59,6 +61,7 @@ class MptcpTransport(Transport):
 
     def __init__(self, rails, config: Config = Config()):
         super().__init__(rails, config)
+        self.rto_min_ms = 0.0             # MPTCP sockets refuse TCP_RTO_MIN_US (docstring)
         self.all_rails = list(rails)
         self.rails = self.all_rails[:1]   # one logical rail
 

@@ -322,6 +322,19 @@ def congestion_of_sockets(rank, world, port, cc):
     return names
 
 
+def rto_of_sockets(rank, world, port, rto_ms):
+    """(what the Context says it set, every data socket's retransmission timeout in ms from
+    TCP_INFO after an allreduce), with NEZHA_TCP_RTO_MIN_MS=rto_ms (None: unset)."""
+    from nezha.transport.tcpinfo import tcp_info
+    if rto_ms is not None:
+        os.environ["NEZHA_TCP_RTO_MIN_MS"] = rto_ms
+    with make_ctx(rank, world, port) as ctx:
+        ctx.allreduce(data(rank, 0, 1 << 18, "float32"))
+        rtos = sorted({round(tcp_info(c.sock).rto * 1e3) for c in ctx._engine.conns.values()})
+        ctx.barrier()
+        return ctx._transport.rto_min_ms, rtos
+
+
 def bytes_per_allreduce(rank, world, port, count, direct_max=None, nrails=2):
     """Bytes this rank sends on each rail for one allreduce of ``count`` float32 (after a
     warm-up), and whether the results were exact in 5 calls."""

@@ -52,7 +52,9 @@ def test_empty_counts_as_unset_and_zero_means_default():
                                          ("NEZHA_HEARTBEAT_MS", "1e"),
                                          ("NEZHA_PIPE_BLOCK", "2M"), ("NEZHA_SHARES", "3,x"),
                                          ("NEZHA_SHARES", "3,-1"), ("NEZHA_SHARES", "0,0"),
-                                         ("NEZHA_RAIL_CPU_US", "-5"), ("NEZHA_RAIL_CPU_US", "x")])
+                                         ("NEZHA_RAIL_CPU_US", "-5"), ("NEZHA_RAIL_CPU_US", "x"),
+                                         ("NEZHA_TCP_RTO_MIN_MS", "-1"),
+                                         ("NEZHA_TCP_RTO_MIN_MS", "250")])
 def test_a_bad_value_names_its_variable(name, value):
     with pytest.raises(ConfigError, match=f"{name}='{value}'"):
         Config.from_env({name: value})

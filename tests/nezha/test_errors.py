@@ -87,3 +87,29 @@ def test_congestion_control_is_set_per_socket():
     bad = run_ranks(rankfns.congestion_of_sockets, 2, timeout=TIMEOUT * 3, cc="nosuchcc")
     assert all(not ok for ok, _ in bad.values())
     assert "NEZHA_TCP_CONGESTION" in bad[0][1].message
+
+
+def _kernel_rto_min() -> float:
+    import socket
+    from nezha.transport.base import set_rto_min
+    with socket.socket() as s:
+        return set_rto_min(s, 5.0)
+
+
+def test_data_sockets_retransmit_after_the_configured_minimum_not_200_ms():
+    """NEZHA_TCP_RTO_MIN_MS (default 5 ms): a lost tail segment of a share costs that, not
+    the kernel's 200 ms, without root or route changes; 0 gives the kernel's own back."""
+    took = _kernel_rto_min()
+    if not took:
+        pytest.skip("this kernel has no per-socket TCP_RTO_MIN_US (Linux < 6.15): Nezha keeps "
+                    "the kernel's / route's minimum there")
+    res = run_ranks(rankfns.rto_of_sockets, 2, timeout=TIMEOUT * 3, rto_ms=None)
+    assert all(ok for ok, _ in res.values()), res
+    for _, (said, rtos) in res.values():
+        # RTO = smoothed RTT + max(4 x its variance, the minimum): tens of ms at most here
+        assert said == took and rtos and max(rtos) < 100, (took, res)
+    res = run_ranks(rankfns.rto_of_sockets, 2, timeout=TIMEOUT * 3, rto_ms="0")
+    assert all(ok for ok, _ in res.values()), res
+    for _, (said, rtos) in res.values():
+        assert said == 0.0 and min(rtos) >= 200, res
+
