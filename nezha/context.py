@@ -108,7 +108,8 @@ class Context:
             # must not list them (the testbed gives nezha its TCP rails only)
             self._hybrid = HybridAllreduce(self.rank, self.world_size, self.nrails,
                                            cfg.aggregators, cfg.job_secret, group,
-                                           self.timeout, self.events, cfg.tcp_congestion)
+                                           self.timeout, self.events, cfg.tcp_congestion,
+                                           cfg.tcp_rto_min_ms)
         self.events.emit("state", state="cold", reason="start", live=list(range(self.nrails)))
 
     @classmethod

@@ -137,7 +137,8 @@ class HybridAllreduce:
 
     def __init__(self, rank: int, world: int, tcp_rails: int,
                  aggregators: tuple[tuple[str, str, int], ...], secret, job: str,
-                 timeout: float, events, congestion: str = "") -> None:
+                 timeout: float, events, congestion: str = "",
+                 rto_min_ms: float = 0.0) -> None:
         if not aggregators:
             raise ConfigError("NEZHA_AGGREGATORS: no aggregation switch given")
         self.rank, self.world, self.timeout, self.events = rank, world, timeout, events
@@ -147,7 +148,7 @@ class HybridAllreduce:
             return AggregationChannel(address, port, rank, world, secret, job,
                                       timeout=timeout, connect_timeout=t,
                                       chunk_bytes=AGG_CHUNK, window=AGG_WINDOW,
-                                      congestion=congestion)
+                                      congestion=congestion, rto_min_ms=rto_min_ms)
         self.switches = [Switch(r, a, p, open_channel) for r, a, p in aggregators]
         for sw in self.switches:
             if not sw.connect(2.0):

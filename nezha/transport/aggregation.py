@@ -27,7 +27,7 @@ import numpy as np
 from .. import aggwire, auth
 from ..errors import (AggregationRefused, AggregatorError, AggregatorTimeout,
                       AggregatorUnavailable, ConfigError, ProtocolError)
-from .base import recv_exact_into, send_vec, set_congestion
+from .base import recv_exact_into, send_vec, set_congestion, set_rto_min
 
 DEFAULT_CHUNK = 1 << 20           # bytes per chunk of a pipelined allreduce
 DEFAULT_WINDOW = 8 << 20          # bytes of contributions in flight per channel
@@ -62,7 +62,8 @@ class AggregationChannel:
                  secret: str | bytes | None = None, job: str = "nezha", *,
                  timeout: float = 30.0, connect_timeout: float = 5.0,
                  window: int = DEFAULT_WINDOW, chunk_bytes: int = DEFAULT_CHUNK,
-                 source: Optional[str] = None, congestion: str = "") -> None:
+                 source: Optional[str] = None, congestion: str = "",
+                 rto_min_ms: float = 0.0) -> None:
         if not 0 <= rank < world <= aggwire.MAX_WORLD:
             raise ConfigError(f"rank {rank} / world {world}: expected 0 <= rank < world <= "
                               f"{aggwire.MAX_WORLD}")
@@ -72,6 +73,7 @@ class AggregationChannel:
         self.address, self.port, self.rank, self.world, self.job = address, port, rank, world, job
         self.timeout, self.window, self.chunk_bytes = timeout, window, chunk_bytes
         self.congestion = congestion
+        self.rto_min_ms = rto_min_ms      # the TCP rails' (NEZHA_TCP_RTO_MIN_MS)
         self._secret = auth.secret_bytes(secret)
         self._pending: dict[tuple[int, int], Pending] = {}
         self._cond = threading.Condition()
@@ -93,6 +95,7 @@ class AggregationChannel:
                                         f"{e.strerror or e}") from None
         try:
             set_congestion(s, self.congestion, "NEZHA_TCP_CONGESTION")
+            set_rto_min(s, self.rto_min_ms)
         except ConfigError:
             s.close()
             raise

@@ -28,7 +28,7 @@ from typing import Optional
 from nezha import aggwire, auth
 from nezha.aggwire import Header
 from nezha.errors import ConfigError, ProtocolError
-from nezha.transport.base import set_congestion
+from nezha.transport.base import set_congestion, set_rto_min
 from testbed.aggregation.pacing import TokenBucket
 from testbed.aggregation.table import Entry, Limits, Refused, Table
 
@@ -92,9 +92,10 @@ class Service:
 
     def __init__(self, secret: bytes = b"", limits: Limits = Limits(),
                  rate_bps: Optional[int] = None, max_connections: int = MAX_CONNECTIONS,
-                 congestion: str = "") -> None:
+                 congestion: str = "", rto_min_ms: float = 0.0) -> None:
         self.secret = secret
         self.congestion = congestion      # the ranks' (their TCP rails'): the same TCP
+        self.rto_min_ms = rto_min_ms      # ...and the same least RTO (accepted sockets inherit)
         self.limits = limits
         self.table = Table(limits)
         self.bucket = TokenBucket(rate_bps)
@@ -110,8 +111,9 @@ class Service:
         """Listen; returns the port (0 picks a free one)."""
         self.server = await asyncio.start_server(self._handle, host, port,
                                                  limit=READ_BUFFER)
-        for s in self.server.sockets:     # accepted connections inherit it
+        for s in self.server.sockets:     # accepted connections inherit both
             set_congestion(s, self.congestion, "--congestion")
+            set_rto_min(s, self.rto_min_ms)
         self._sweeper = asyncio.create_task(self._sweep())
         return self.server.sockets[0].getsockname()[1]
 
@@ -306,6 +308,9 @@ def _args(argv: Optional[list[str]]) -> argparse.Namespace:
     p.add_argument("--congestion", default="",
                    help="TCP congestion control of its connections, e.g. cubic (the ranks'; "
                         "default: the namespace's)")
+    p.add_argument("--rto-min-ms", type=float, default=5.0,
+                   help="least TCP retransmission timeout of its connections, ms (TCP_RTO_MIN_US,"
+                        " Linux >= 6.15; 0: the kernel's 200 ms; default 5, Nezha's default)")
     p.add_argument("--key-timeout", type=float, default=Limits.key_timeout)
     p.add_argument("--max-keys", type=int, default=Limits.max_keys)
     p.add_argument("--max-bytes", type=int, default=Limits.max_bytes)
@@ -331,6 +336,8 @@ def _config(a: argparse.Namespace) -> tuple[str, int, Limits, Optional[int]]:
         raise ConfigError(f"--max-chunk / --max-world: at most {aggwire.MAX_CHUNK} / "
                           f"{aggwire.MAX_WORLD}")
     rate = parse_rate(a.rate, "--rate") if a.rate else None
+    if not 0 <= a.rto_min_ms <= 200:
+        raise ConfigError(f"--rto-min-ms {a.rto_min_ms}: expected 0 (the kernel's) to 200")
     if a.congestion:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
             set_congestion(probe, a.congestion, "--congestion")
@@ -342,7 +349,7 @@ def _config(a: argparse.Namespace) -> tuple[str, int, Limits, Optional[int]]:
 async def _main(a: argparse.Namespace) -> None:
     host, port, limits, rate = _config(a)
     service = Service(auth.secret_bytes(os.environ.get("NEZHA_JOB_SECRET"), "NEZHA_JOB_SECRET"),
-                      limits, rate, a.max_connections, a.congestion)
+                      limits, rate, a.max_connections, a.congestion, a.rto_min_ms)
     await service.start(host, port)
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

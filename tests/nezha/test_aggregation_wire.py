@@ -441,3 +441,32 @@ def test_jobs_and_bytes_in_the_middle_of_a_read_are_bounded():
         await waiting
         return order
     assert asyncio.run(budget()) == ["gave", "second"]
+
+
+def test_both_ends_of_a_switch_connection_take_the_jobs_least_rto():
+    """A switch connection's lost last segment must cost what a TCP rail's does (the job's
+    least RTO), not the kernel's 200 ms."""
+    from nezha.errors import ConfigError
+    from nezha.transport.base import TCP_RTO_MIN_US, set_rto_min
+    from testbed.aggregation.service import _args, _config
+    with socket.socket() as probe:
+        took = set_rto_min(probe, 5.0)
+    if not took:
+        pytest.skip("this kernel has no per-socket TCP_RTO_MIN_US (Linux < 6.15)")
+    r = Running(Service(auth.secret_bytes(SECRET), Limits(key_timeout=2.0), rto_min_ms=5.0))
+    try:
+        chs = channels(r, 2, rto_min_ms=5.0)
+        x = inputs(2, 1000, "float32")
+        outs = run_all(chs, lambda i, ch: ch.allreduce(1, x[i], "sum"))
+        assert all(np.array_equal(o, x[0] + x[1]) for o in outs)
+        mins = [ch._sock.getsockopt(socket.IPPROTO_TCP, TCP_RTO_MIN_US) for ch in chs]
+        served = [w.get_extra_info("socket") for w in list(r.service._handlers.values())]
+        mins += [s.getsockopt(socket.IPPROTO_TCP, TCP_RTO_MIN_US) for s in served]
+        assert len(mins) == 4 and set(mins) == {int(took * 1000)}, mins
+        for ch in chs:
+            ch.close()
+    finally:
+        r.stop()
+    assert _args(["--listen", "1.2.3.4:9"]).rto_min_ms == 5.0    # Nezha's default
+    with pytest.raises(ConfigError, match="--rto-min-ms"):
+        _config(_args(["--listen", "1.2.3.4:9", "--rto-min-ms", "500"]))
