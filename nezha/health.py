@@ -293,7 +293,7 @@ class Health:
                 conn.check_id = None
                 self.dead(conn, why + f"; rank {conn.peer} did not say within "
                                       f"{self.check_timeout * 1e3:.0f} ms whether bytes arrive",
-                          now)
+                          now, answered=False)
             return
         others = [r for r in self.eng.live_rails(conn.peer, data=False) if r != conn.rail]
         if not others:
@@ -353,13 +353,15 @@ class Health:
                       time.monotonic())
 
     # ---------------------------------------------------------------- path probes
-    def dead(self, conn, why: str, now: float) -> None:
+    def dead(self, conn, why: str, now: float, answered: bool = True) -> None:
         """Evidence that a rail is dead: the path probes decide (``_judge``); without them
-        (no probe socket on the rail) the evidence alone does, as before."""
+        (no probe socket on the rail) the evidence alone does, as before. ``answered``:
+        the peer answered the question behind it (False: it did not say in time, which
+        tells of a slow peer as much as of a dead rail)."""
         if self.prober is None or not self.prober.available(conn.rail):
             self.suspect(conn, why)
             return
-        conn.dead_why, conn.dead_t = why, now
+        conn.dead_why, conn.dead_t, conn.dead_answered = why, now, answered
         self._probe(conn, now)
         self._judge(conn, now)
 
@@ -386,11 +388,15 @@ class Health:
                                       self._probe_timeout(conn))
         if verdict is None:
             if conn.peer not in self.prober.heard and now - conn.dead_t > self.check_timeout \
-                    and now - self.prober.first_asked.get(conn.peer, now) > UNHEARD_S:
+                    and now - self.prober.first_asked.get(conn.peer, now) > UNHEARD_S \
+                    and conn.dead_answered:
                 # this peer never answered a probe in all that time (UDP filtered on the
                 # way?): the evidence alone decides, as it did before there were probes. Not
                 # sooner: a peer first probed 100 ms ago on a host that runs 32 ranks on 2
-                # cores has not answered yet either, and its rails were failed on that
+                # cores has not answered yet either, and its rails were failed on that. Nor
+                # when the evidence is that the peer did not answer our question either: a
+                # peer that answers nothing is slow (32 ranks on 2 cores), and a rail is not
+                # failed for it; the probes decide once it answers them
                 why, conn.dead_why = conn.dead_why, ""
                 self.suspect(conn, why + "; no path probe was ever answered by this peer")
                 return True
@@ -425,7 +431,8 @@ class Health:
             if now - conn.rx_check_t > self.check_timeout:
                 conn.rx_check_id = None
                 self.dead(conn, conn.rx_check_why + f"; rank {conn.peer} did not say within "
-                          f"{self.check_timeout * 1e3:.0f} ms whether its ACKs arrive", now)
+                          f"{self.check_timeout * 1e3:.0f} ms whether its ACKs arrive", now,
+                          answered=False)
                 return not conn.alive
             return False
         # the sender's watchdog is the first line (it sees TCP's own progress); this one
@@ -467,7 +474,11 @@ class Health:
         quiet (nothing of ours is out on it, or an ACK came back within ``window`` s), else
         0. TCP's ACKs count while it has segments in flight, within two smoothed RTTs too (a
         slowed rail's queue holds them back that long; a black hole leaves the RTT where it
-        was); with chunks out but nothing in flight (the writer cannot write), our own ACKs."""
+        was). Chunks out but every byte written to the socket acknowledged: this rank has not
+        written them yet (32 ranks on 2 cores: a rank preempted between its rails' shares of
+        a message for 100+ ms, whose idle rail was then failed), so the path is not the
+        cause, unless the test hooks hold them back as a black hole would. Otherwise (the
+        writer cannot write: written bytes wait unsent), our own ACKs."""
         conn = self.eng.conns.get((peer, rail))
         if conn is None or not conn.alive:
             return 0
@@ -476,6 +487,9 @@ class Health:
         ti = tcp_info(conn.sock) if conn.tcp_info_ok else None
         if ti is not None and ti.unacked > 0:
             return 1 if ti.last_ack < max(window, 2 * ti.rtt) else 0
+        if ti is not None and conn.written_unacked() == 0 \
+                and not (conn.blackhole or self.eng.silenced):
+            return 1
         return 1 if time.monotonic() - conn.last_ack < window else 0
 
     def on_acks(self, peer: int, rail: int, ident: int, moving: int) -> None:

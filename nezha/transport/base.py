@@ -297,6 +297,7 @@ class Connection:
         self.check_ok_t = -1e9    # when the peer last said our bytes still arrive
         self.dead_why = ""        # evidence of a dead rail waiting for the path probes' verdict
         self.dead_t = 0.0         # ...since then
+        self.dead_answered = True  # ...and whether the peer answered the question behind it
         self.rx_ok_t = -1e9       # when this rail, silent, was last found alive
         self.rx_check_id = None   # a pending "do your ACKs still arrive?" question (receiver)
         self.rx_check_t = 0.0
@@ -457,6 +458,15 @@ class Connection:
             except (OSError, ValueError):
                 self._inq_ok = False
         return self.rx_all + q
+
+    def written_unacked(self) -> int:
+        """Bytes written to the socket that TCP has not had acknowledged yet, sent or not
+        (SIOCOUTQ); -1 if the kernel does not say."""
+        try:
+            return struct.unpack("i", fcntl.ioctl(self.sock.fileno(), termios.TIOCOUTQ,
+                                                  b"\0\0\0\0"))[0]
+        except (OSError, ValueError):
+            return -1
 
     def arrived_within(self, seconds: float) -> int:
         """Bytes that reached this socket in the last ``seconds`` (from the health thread's

@@ -212,3 +212,51 @@ def test_a_peer_probed_for_the_first_time_is_slow_before_it_is_deaf():
     assert not health._judge(conn, t + 2 * health.check_timeout) and not failed
     assert health._judge(conn, t + UNHEARD_S + 0.01)
     assert "no path probe was ever answered" in str(failed[0])
+    # a peer that did not answer the question behind the evidence either is slow, not a
+    # dead rail: no verdict however long it stays deaf (the probes decide once it answers)
+    failed.clear()
+    health.dead(conn, "nothing received for 100 ms; rank 1 did not say within 100 ms", t + 2,
+                answered=False)
+    assert not health._judge(conn, t + 2 + 2 * UNHEARD_S) and not failed
+
+
+def test_a_rank_that_has_not_written_its_share_yet_does_not_blame_the_rail():
+    """The receiver hears nothing on a rail whose share is due and asks the sender whether
+    its TCP still gets ACKs there. With the share's chunks still in the sender's own queue
+    (32 ranks on 2 cores: a rank preempted between its rails' shares for 100+ ms) and every
+    byte it did write acknowledged, the path is not the cause: the answer is "moving", where
+    it used to be "no ACK" and the rail was failed. A rail held back by the black-hole test
+    hook still answers "no ACK"."""
+    import socket
+    import time
+    from types import SimpleNamespace
+
+    from nezha.health import Health
+    from nezha.transport.base import Connection
+    lst = socket.socket()
+    lst.bind(("127.0.0.1", 0))
+    lst.listen()
+    ours = socket.create_connection(lst.getsockname())
+    theirs, _ = lst.accept()
+    try:
+        conn = Connection(ours, peer=1, rail=1, handler=SimpleNamespace(silenced=False))
+        eng = SimpleNamespace(rank=0, silenced=False, conns={(1, 1): conn},
+                              events=SimpleNamespace(emit=lambda *a, **k: None))
+        health = Health(eng, lambda *a: None, [])
+        conn.unacked, conn.last_ack = 2, time.monotonic() - 5.0   # queued, never written
+        assert health.on_acks_question(1, 1, 0.13) == 1
+        conn.blackhole = True
+        assert health.on_acks_question(1, 1, 0.13) == 0
+        conn.blackhole = False
+        ours.setblocking(False)
+        try:                    # the peer reads nothing: written bytes wait in our queue
+            while True:
+                ours.send(b"x" * 65536)
+        except BlockingIOError:
+            pass
+        assert conn.written_unacked() > 0
+        # (its zero-window probes are answered: TCP gets ACKs, the path is fine)
+        assert health.on_acks_question(1, 1, 0.13) == 1
+    finally:
+        for s in (ours, theirs, lst):
+            s.close()
