@@ -41,10 +41,10 @@ def pair():
     b.close()
 
 
-def _wait_verdict(prober, peer, rail, ref=None, limit=1.0):
+def _wait_verdict(prober, peer, rail, ref=None, limit=1.0, least=pathprobe.PROBE_TIMEOUT_MIN):
     deadline = time.monotonic() + limit
     while time.monotonic() < deadline:
-        v = prober.verdict(peer, rail, time.monotonic(), ref)
+        v = prober.verdict(peer, rail, time.monotonic(), ref, least)
         if v is not None:
             return v
         time.sleep(0.002)
@@ -67,6 +67,38 @@ def test_a_black_hole_next_to_an_answering_rail_is_dead(pair):
     # the verdict waits for the whole burst and the last probe's timeout
     assert time.monotonic() - t0 >= (pathprobe.PROBE_COUNT - 1) * pathprobe.PROBE_INTERVAL \
         + pathprobe.PROBE_TIMEOUT_MIN
+
+
+class _FullQueue:
+    """A probe socket whose host's queue is full for ``for_s``: sendto fails with ENOBUFS
+    (what IP_RECVERR reports for a datagram the local qdisc dropped)."""
+
+    def __init__(self, sock, for_s: float):
+        self.sock, self.until = sock, time.monotonic() + for_s
+
+    def sendto(self, data, dest):
+        import errno
+        if time.monotonic() < self.until:
+            raise OSError(errno.ENOBUFS, "No buffer space available")
+        return self.sock.sendto(data, dest)
+
+    def __getattr__(self, name):
+        return getattr(self.sock, name)
+
+
+@pytest.mark.timing          # a 15 ms queue against 50 ms of patience, on a shared machine
+@pytest.mark.flaky(reruns=1, reruns_delay=2)
+def test_answers_our_own_full_queue_dropped_are_sent_again(pair):
+    """32 hosts x 10 Mbit/s: a rank that had just written its late share onto a rail dropped
+    its answers to the peer's probes there in its own queue (0-62 UDP SndbufErrors per host),
+    while its other rail answered, and the rail was failed. The prober sends such a datagram
+    again for up to RESEND_FOR: a queue full for 20 ms delays the answer, it does not make
+    the rail dead (each probe given 50 ms, as health.py gives a slow rail)."""
+    a, b, _, _ = pair
+    b.socks[1] = _FullQueue(b.socks[1], 0.015)
+    a.ask(1, 1, time.monotonic(), ref=0)
+    assert _wait_verdict(a, 1, 1, ref=0, least=0.05) is True
+    assert b.resent >= 1
 
 
 def test_a_peer_that_answers_on_no_rail_gets_no_verdict(pair):
