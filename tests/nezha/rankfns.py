@@ -335,6 +335,31 @@ def rto_of_sockets(rank, world, port, rto_ms):
         return ctx._transport.rto_min_ms, rtos
 
 
+def stopped_peer(rank, world, port, events_dir, stop_s=2.5):
+    """Rank 1's process is stopped (SIGSTOP) for ``stop_s``, longer than the heartbeat
+    timeout, while the job idles between two allreduces (a rank starved of the CPU). Returns
+    whether the second allreduce was exact, and this rank's rail_suspected / rail_down
+    events."""
+    import json
+    import signal
+    import subprocess
+    ev = os.path.join(events_dir, f"r{rank}.jsonl")
+    count = 1 << 16
+    with make_ctx(rank, world, port, events=ev) as ctx:
+        ctx.allreduce(data(rank, 0, count, "float32"))
+        if rank == 1:
+            subprocess.Popen(["sh", "-c", f"sleep {stop_s}; kill -CONT {os.getpid()}"])
+            os.kill(os.getpid(), signal.SIGSTOP)
+        else:
+            time.sleep(stop_s + 0.5)
+        b = data(rank, 1, count, "float32")
+        ctx.allreduce(b)
+        exact = bool(np.array_equal(b, reference(world, 1, count, "float32", "sum")))
+    with open(ev) as f:
+        kinds = [json.loads(line)["event"] for line in f]
+    return exact, [k for k in kinds if k in ("rail_suspected", "rail_down")]
+
+
 def bytes_per_allreduce(rank, world, port, count, direct_max=None, nrails=2):
     """Bytes this rank sends on each rail for one allreduce of ``count`` float32 (after a
     warm-up), and whether the results were exact in 5 calls."""

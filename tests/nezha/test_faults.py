@@ -64,6 +64,19 @@ def test_silent_peer_fails_every_rank_within_timeout():
     assert time.monotonic() - t0 < 15
 
 
+def test_a_peer_stopped_longer_than_the_heartbeat_timeout_is_slow_not_a_dead_rail(tmp_path):
+    """64 ranks on 2 cores: 111 rails were failed for 1.5-1.7 s without a byte from a peer
+    whose process waited for the CPU. Its kernel kept acknowledging our heartbeats (and the
+    heartbeats it sent sat in our receive queue while our own reader waited): the rails were
+    fine. Here rank 1 is stopped for 2.5 s (the timeout is 1.5 s): no rail is suspected on
+    either side, and the next allreduce is exact."""
+    res = run_ranks(rankfns.stopped_peer, 2, timeout=30, events_dir=str(tmp_path))
+    for r, (ok, v) in res.items():
+        assert ok, (r, v)
+        exact, rail_events = v
+        assert exact and rail_events == [], (r, v)
+
+
 def test_a_wait_past_its_deadline_names_the_unreachable_peer():
     """The outage outlasted the collective's timeout: the error says which peer and for how
     long it was unreachable (not only that a wait timed out)."""
