@@ -10,8 +10,9 @@
    CHECK_TIMEOUT) means a black hole, if the probes agree; some means slow, not dead. A
    congested or lossy rail keeps returning ACKs while delivery waits on a retransmission; the
    RTO term keeps a plain loss from triggering a check; the sockets' minimum RTO
-   (``NEZHA_TCP_RTO_MIN_MS``, or the routes' ``rto_min``) keeps detection fast. Kernel ACKs are used, not nezha ACKs, because a nezha ACK may wait behind
-   bulk data going the other way. Where TCP_INFO is not available (MPTCP), nezha ACKs are
+   (``NEZHA_TCP_RTO_MIN_MS``, or the routes' ``rto_min``) keeps detection fast. Kernel ACKs
+   are used, not nezha ACKs, because a nezha ACK may wait behind bulk data going the other
+   way. Where TCP_INFO is not available (MPTCP), nezha ACKs are
    used with a 10x larger limit; receivers acknowledge staged chunks with a progress-only
    ACK, so a peer that is merely behind is not taken for dead. Only segments in flight
    without delivery count: a slow receiver closes its window (nothing in flight). The last
@@ -29,10 +30,11 @@
    received nothing for HEARTBEAT_TIMEOUT (bytes waiting in the kernel's receive queue
    count as received) is evidence, unless the peer's kernel acknowledged our own heartbeats
    meanwhile (``_acked``: the path works, the peer's process is slow); the path probes
-   decide, and a peer that answers them on no rail is slow, so no rail is failed for it. Every 250 ms by default (6 per timeout):
-   at 100 ms the heartbeats of 56 idle connections (5 ranks x 14 rails, on loopback) took 7 %
-   of a core per rank, half of what an idle job cost; with idle connections looked at every
-   IDLE_EVERY ticks too, an idle job went from 13.6 % to 5.6 % of a core per rank.
+   decide, and a peer that answers them on no rail is slow, so no rail is failed for it.
+   Every 250 ms by default (6 per timeout): at 100 ms the heartbeats of 56 idle connections (5
+   ranks x 14 rails, on loopback) took 7 % of a core per rank, half of what an idle job cost;
+   with idle connections looked at every IDLE_EVERY ticks too, an idle job went from 13.6 % to
+   5.6 % of a core per rank.
 4. Link events (optional, pyroute2): a rail interface going down fails its connections.
 5. TCP_USER_TIMEOUT on every socket (NEZHA_TCP_USER_TIMEOUT_MS) bounds kernel retries.
 WATCHDOG_MIN, CHECK_TIMEOUT, HEARTBEAT_INTERVAL and HEARTBEAT_TIMEOUT are NEZHA_WATCHDOG_MS,

@@ -284,11 +284,23 @@ class PathProber:
         elif kind == ANSWER and self.on_answer is not None:
             self.on_answer(what, src, on, ident, value)
 
+    def _sendto(self, rail: int, dest: tuple[str, int], data: bytes) -> int:
+        """0 if the datagram went out, else the errno. With IP_RECVERR an ICMP error that
+        came in earlier (a peer's port closed) is reported by the next send, which then did
+        not send: that one is tried once more."""
+        for attempt in (0, 1):
+            try:
+                self.socks[rail].sendto(data, dest)
+                return 0
+            except OSError as e:
+                if e.errno == errno.ENOBUFS or attempt:
+                    return e.errno or -1
+        return -1
+
     def _send(self, rail: int, dest: tuple[str, int], data: bytes) -> None:
-        try:
-            self.socks[rail].sendto(data, dest)
-        except OSError as e:
-            if e.errno == errno.ENOBUFS:      # our own queue was full: again, shortly
+        err = self._sendto(rail, dest, data)
+        if err:
+            if err == errno.ENOBUFS:          # our own queue was full: again, shortly
                 with self.lock:
                     if len(self._resend) >= RESEND_MAX:
                         self._resend.popleft()
@@ -305,13 +317,12 @@ class PathProber:
             give_up, rail, dest, data = item
             if now > give_up:
                 continue
-            try:
-                self.socks[rail].sendto(data, dest)
+            err = self._sendto(rail, dest, data)
+            if not err:
                 self.resent += 1
-            except OSError as e:
-                if e.errno == errno.ENOBUFS:
-                    with self.lock:
-                        self._resend.append(item)
+            elif err == errno.ENOBUFS:
+                with self.lock:
+                    self._resend.append(item)
         with self.lock:
             return bool(self._resend)
 
