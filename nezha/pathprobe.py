@@ -249,13 +249,17 @@ class PathProber:
         while not self.stop.is_set():
             now = time.monotonic()
             timeout = 1 if self._send_due(now) | self._resend_due(now) else 200
-            for fd, _ in poller.poll(timeout):
+            for fd, ev in poller.poll(timeout):
                 if fd == self._wake_r:
                     try:
                         os.read(self._wake_r, 512)
                     except OSError:
                         pass
                     continue
+                if ev & select.POLLERR:
+                    # an ICMP error on the error queue (IP_RECVERR): poll reports it until it
+                    # is read, even once a send has reported (and cleared) the socket's error
+                    self._clear_errors(self.socks[fds[fd]])
                 self._drain(fds[fd])
 
     def _send_due(self, now: float) -> bool:
@@ -295,7 +299,6 @@ class PathProber:
             except OSError as e:
                 if e.errno == errno.ENOBUFS or attempt:
                     return e.errno or -1
-        return -1
 
     def _send(self, rail: int, dest: tuple[str, int], data: bytes) -> None:
         err = self._sendto(rail, dest, data)
@@ -327,30 +330,32 @@ class PathProber:
             return bool(self._resend)
 
     @staticmethod
-    def _clear_errors(s: socket.socket) -> bool:
+    def _clear_errors(s: socket.socket) -> None:
         """Read the socket's error queue (IP_RECVERR: an ICMP error, e.g. a peer's port
-        gone); True if there was anything, so the caller reads on."""
-        got = False
+        gone)."""
         while True:
             try:
                 s.recvmsg(SIZE + 1, 512, socket.MSG_ERRQUEUE)
-                got = True
-            except (BlockingIOError, InterruptedError):
-                return got
             except OSError:
-                return got
+                return
 
     def _drain(self, rail: int) -> None:
         s = self.socks[rail]
+        errors = 0
         while True:
             try:
                 data, addr = s.recvfrom(SIZE + 1)
             except (BlockingIOError, InterruptedError):
                 return
-            except OSError:       # a pending ICMP error (IP_RECVERR): clear it, read on
-                if not self._clear_errors(s):
+            except OSError:
+                # the socket's pending error (IP_RECVERR), cleared by this read: take its
+                # queue too and read on; twice in a row, the socket itself is broken
+                errors += 1
+                if errors > 1:
                     return
+                self._clear_errors(s)
                 continue
+            errors = 0
             got = self._parse(data, rail)
             if got is None:
                 continue

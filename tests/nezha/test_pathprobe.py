@@ -292,3 +292,33 @@ def test_a_rank_that_has_not_written_its_share_yet_does_not_blame_the_rail():
     finally:
         for s in (ours, theirs, lst):
             s.close()
+
+
+def test_an_icmp_error_is_taken_off_the_socket_not_spun_on():
+    """With IP_RECVERR (for the resend above) an ICMP error, e.g. a peer's probe port gone,
+    waits on the socket's error queue, and poll reports the socket (POLLERR) until it is
+    read. A send reports the error too and clears the socket's pending error, but not the
+    queue: then a read sees nothing to read, and a prober that only read on an error from
+    recvfrom spun on poll at full CPU."""
+    import resource
+    ports = _ports(1)
+    a = PathProber(0, [("127.0.0.1", ports[0])], KEY, lambda peer, r: ("127.0.0.1", ports[0]))
+    try:
+        gone = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        gone.bind(("127.0.0.1", 0))
+        dead_end = gone.getsockname()
+        gone.close()                               # nothing listens there: port unreachable
+        a._send(0, dead_end, b"x" * pathprobe.SIZE)
+        time.sleep(0.05)                           # the ICMP error is in
+        a._send(0, ("127.0.0.1", ports[0]), b"x")  # reports it (tried again): queue left
+        a.start()
+        time.sleep(0.1)
+        with pytest.raises(BlockingIOError):       # the prober took it off the queue
+            a.socks[0].recvmsg(64, 512, socket.MSG_ERRQUEUE | socket.MSG_DONTWAIT)
+        t0 = resource.getrusage(resource.RUSAGE_SELF)
+        time.sleep(0.5)
+        t1 = resource.getrusage(resource.RUSAGE_SELF)
+        used = (t1.ru_utime - t0.ru_utime) + (t1.ru_stime - t0.ru_stime)
+        assert used < 0.2, f"{used:.2f} s of CPU in 0.5 s of an idle prober"
+    finally:
+        a.close()
