@@ -69,6 +69,27 @@ expect:
     assert [l for l in r.stdout.splitlines() if l.startswith("wrong_results")][0].endswith("PASS")
 
 
+def test_a_workload_cut_short_by_its_timeout_fails_even_without_expectations(tmp_path,
+                                                                             no_leftovers):
+    """Ranks killed at workload.timeout prove nothing: the run says so and fails, also when
+    the file expects nothing (it used to print PASS over 32 killed ranks)."""
+    topo = tmp_path / "slow.yaml"
+    topo.write_text("""
+name: slow
+hosts: 2
+rails: [{name: r0}, {name: r1}]
+workload: {kind: command, command: 'echo started; sleep 60', timeout: 2s}
+""")
+    r = subprocess.run([sys.executable, "-m", "testbed", "run", str(topo), "--results",
+                        str(tmp_path / "res")], capture_output=True, text=True, cwd=ROOT,
+                       timeout=120)
+    out = r.stdout + r.stderr
+    assert r.returncode == 1, out
+    assert "did not finish within workload.timeout" in out and "verdict: FAIL" in out
+    ranks = json.loads((tmp_path / "res" / "ranks.json").read_text())
+    assert [x["exit_code"] for x in ranks] == [-9, -9]
+
+
 def test_a_degraded_rail_is_reported_as_such(tmp_path, no_leftovers):
     """Both rails collapsed to 10 % of their rate for the whole run: the bus bandwidth the run
     reports falls accordingly, and an expectation written for healthy rails fails."""

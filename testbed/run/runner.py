@@ -206,7 +206,13 @@ def _conclude(out: Path, obs: Observed, results: report.RunResults, say: Say,
             say(f"   rank {r['rank']} on {r['host']} exited {r['exit_code']}: {r['error']}")
     for e in obs.fault_errors:
         say(f"   {e}")
-    passed = results.verdict.passed and not obs.fault_errors
+    timed_out = [p for p in obs.phases if p.timed_out]
+    for p in timed_out:
+        say(f"   {p.phase.system} did not finish within workload.timeout "
+            f"({p.t_end - p.t_start:.0f} s): its ranks still running were killed; raise "
+            f"workload.timeout (or lower iterations / size) for a run this long")
+    # a workload cut short proves nothing, whatever the expectations say
+    passed = results.verdict.passed and not obs.fault_errors and not timed_out
     show(f"verdict: {'PASS' if passed else 'FAIL'} — results in {out}")
     return RunOutcome(passed, 0 if passed else 1, out, results.metrics, results.verdict,
                       obs.faults)
