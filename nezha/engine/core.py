@@ -55,6 +55,7 @@ class Engine(Receiving, Sending, Agreement, Failover, Hedging):
         self.on_acks_question = None   # health.Health: (rank, rail, window) -> 1 moving / 0
         self.on_acks = None            # health.Health's handler of that answer
         self.on_redial = None          # health.Health: (rank, rail) a peer's link came back
+        self.on_trouble = None         # health.Health: a rail failed (its re-dial loops wake)
         # rendezvous.Rendezvous.reach: connects a peer that is not a start peer on first use
         self.reach_peer = None
         self.costs = ShareCosts(nrails)   # per-rail share times of the current op (costs.py)

@@ -42,6 +42,11 @@ class Failover:
             if not self.live_rails(conn.peer):
                 self.gone.add(conn.peer)
             self.cond.notify_all()
+        self._trouble()
+
+    def _trouble(self) -> None:
+        if self.on_trouble is not None:
+            self.on_trouble()
 
     def on_abort(self, conn, h, text):
         self.fatal(PeerAbortedError(f"rank {h.src} failed: {text}"))
@@ -82,6 +87,7 @@ class Failover:
             if not live:
                 self.unreachable.setdefault(peer, (time.monotonic(), f"rail {rail}: {exc}"))
             self.cond.notify_all()
+        self._trouble()
         self.events.emit("rail_down", peer=peer, rail=rail, reason=str(exc))
         if live and not self.closing:
             self.report_rail("down", rail, peer, conn)
