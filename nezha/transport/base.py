@@ -53,7 +53,6 @@ def set_congestion(sock: socket.socket, name: str, setting: str) -> None:
 
 TCP_RTO_MIN_US = 45          # linux/tcp.h, Linux >= 6.15
 _RTO_MIN_CAP_US = 200_000    # the kernel's own minimum RTO: TCP_RTO_MIN_US refuses more
-RCVLOWAT_MAX = 128 << 10     # a payload's reader wakes per this many bytes at most (_await_bytes)
 
 
 def set_rto_min(sock: socket.socket, ms: float) -> float:
@@ -221,13 +220,6 @@ class Transport:
 _WAKE = object()
 
 
-def _protocol(sock) -> int:
-    try:
-        return sock.getsockopt(socket.SOL_SOCKET, socket.SO_PROTOCOL)
-    except OSError:
-        return -1
-
-
 class _Rest:
     """The end of a frame that a caller thread began to write and the socket did not take
     at once (Connection.put): whoever next writes on the connection holding its write lock
@@ -285,10 +277,6 @@ class Connection:
         self.rx_target: memoryview | None = None
         self._rx_poll = select.poll()
         self._rx_poll.register(sock, select.POLLIN)
-        self._lowat = 1           # SO_RCVLOWAT now (_await_bytes)
-        # TCP only: an MPTCP socket takes the option but its poll ignores it (a reader
-        # waiting for bytes that had all arrived hung until the timeout)
-        self._lowat_ok = _protocol(sock) == socket.IPPROTO_TCP
         self.reader = threading.Thread(target=self._read_loop, daemon=True,
                                        name=f"nz-rx-p{peer}-r{rail}")
         self.writer = threading.Thread(target=self._write_loop, daemon=True,
@@ -450,33 +438,13 @@ class Connection:
                     raise PeerClosedError(f"rank {self.peer} closed rail {self.rail} in the "
                                           f"middle of a payload ({got} of {n} bytes)")
                 if k < 0:
-                    self._await_bytes(n - got)
+                    self._rx_poll.poll()       # a shutdown (ours or the peer's) wakes it
                     continue
                 got += k
                 self.rx_all += k
         finally:
             with self._rx_lock:
                 self.rx_target = None
-            if self._lowat != 1 and self._lowat_ok:
-                self._set_lowat(1)
-
-    def _await_bytes(self, want: int) -> None:
-        """Sleep until ``want`` more payload bytes (at most RCVLOWAT_MAX) wait in the socket,
-        or it shuts down. SO_RCVLOWAT makes the kernel wake the reader once per that many
-        bytes, not per packet: at 10 Mbit/s a 64 KiB share arrives in ~45 packets, and a
-        Python wake-up per packet or two was most of a rank's CPU per ring step with 32
-        ranks on 2 cores. The kernel still wakes it early if its receive window closes."""
-        lowat = min(want, RCVLOWAT_MAX)
-        if lowat != self._lowat and self._lowat_ok:
-            self._set_lowat(lowat)
-        self._rx_poll.poll()       # a shutdown (ours or the peer's) wakes it
-
-    def _set_lowat(self, lowat: int) -> None:
-        try:
-            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, lowat)
-            self._lowat = lowat
-        except OSError:        # a kernel without it: the reader wakes per packet
-            self._lowat_ok = False
 
     def arrived(self) -> int:
         """Bytes that have reached this socket so far: read by us plus waiting in the kernel's
