@@ -252,6 +252,71 @@ def test_a_peer_probed_for_the_first_time_is_slow_before_it_is_deaf():
     assert not health._judge(conn, t + 2 + 2 * UNHEARD_S) and not failed
 
 
+def test_a_slow_peers_probes_get_the_time_a_loaded_rail_needs():
+    """A peer that did not answer the question behind the evidence is slow, and its probe
+    answers on a loaded rail wait behind its own share there: the probes are given two 64
+    KiB segments each way at the rail's cost, and at least the question's own timeout.
+    On 10 Mbit/s rails (32 hosts) they were given 105 ms, went unanswered while the idle
+    rail's came back, and the rail was failed. Evidence the peer confirmed keeps the
+    shorter wait (black holes are still called in tens of ms)."""
+    from types import SimpleNamespace
+
+    from nezha.health import Health
+    given = []
+    prober = SimpleNamespace(heard={1}, first_asked={1: 0.0}, available=lambda rail: True,
+                             ask=lambda *a, **k: None)
+    prober.verdict = lambda peer, rail, now, ref, least: given.append(least)
+    b = 8e-7                                              # 10 Mbit/s
+    eng = SimpleNamespace(rank=0, events=SimpleNamespace(emit=lambda *a, **k: None),
+                          balancer=SimpleNamespace(est=[SimpleNamespace(a=0.0, b=b)] * 2),
+                          live_rails=lambda peer, data=True: [0, 1])
+    health = Health(eng, lambda *a: None, [], prober=prober)
+    conn = SimpleNamespace(peer=1, rail=1, sock=None, tcp_info_ok=False, suspected=False,
+                           dead_why="", dead_t=0.0, fail=lambda e: None)
+    health.dead(conn, "nothing received for 151 ms; rank 1 did not say within 100 ms", 10.0,
+                answered=False)
+    assert given[-1] >= 4 * (64 << 10) * b > 0.2
+    health.dead(conn, "no progress for 40 ms; rank 1 received nothing on it meanwhile", 11.0)
+    assert abs(given[-1] - 2 * (64 << 10) * b) < 1e-9
+    eng.balancer.est = [SimpleNamespace(a=0.0, b=4e-8)] * 2   # 200 Mbit/s
+    health.dead(conn, "nothing received; rank 1 did not say within 100 ms", 12.0,
+                answered=False)
+    assert given[-1] >= health.check_timeout
+    health.dead(conn, "no progress; rank 1 received nothing on it meanwhile", 13.0)
+    assert given[-1] < 0.01
+
+
+def test_a_sender_that_does_not_say_whether_its_acks_arrive_is_slow_not_its_rail():
+    """The receiver hears nothing on a rail and asks the sender whether its TCP gets ACKs
+    there. A sender that does not answer within CHECK_TIMEOUT is slow (32 ranks on 2 cores):
+    that is no evidence against the rail (its own watchdog watches that direction, with a
+    peer that answers), so no probe verdict can fail it; it used to be, on probes lost
+    behind both ends' bulk data while the idle rail's answered."""
+    from types import SimpleNamespace
+
+    from nezha.health import Health
+    events, asked = [], []
+    prober = SimpleNamespace(heard={1}, first_asked={1: 0.0}, available=lambda rail: True,
+                             ask=lambda *a, **k: asked.append(a),
+                             verdict=lambda *a, **k: False)
+    eng = SimpleNamespace(rank=0, events=SimpleNamespace(emit=lambda *a, **k: events.append(a)),
+                          balancer=SimpleNamespace(est=[SimpleNamespace(a=0.0, b=8e-7)] * 2),
+                          live_rails=lambda peer, data=True: [0, 1])
+    health = Health(eng, lambda *a: None, [], prober=prober)
+    failed = []
+    conn = SimpleNamespace(peer=1, rail=1, sock=None, tcp_info_ok=False, suspected=False,
+                           alive=True, dead_why="", dead_t=0.0, fail=failed.append,
+                           rx_check_id=7, rx_check_t=100.0, rx_ok_t=0.0, last_rx=99.7,
+                           rx_check_why="nothing received for 259 ms while rank 1's other "
+                                        "rails delivered")
+    assert not health._silent(conn, 100.0 + 2 * health.check_timeout)
+    assert not failed and not conn.dead_why and conn.rx_check_id is None
+    assert [e[0] for e in events] == ["peer_slow"]
+    # quiet afresh: not asked again at once
+    assert not health._silent(conn, 100.0 + 2 * health.check_timeout + 0.01)
+    assert conn.rx_check_id is None and not asked
+
+
 def test_a_rank_that_has_not_written_its_share_yet_does_not_blame_the_rail():
     """The receiver hears nothing on a rail whose share is due and asks the sender whether
     its TCP still gets ACKs there. With the share's chunks still in the sender's own queue
