@@ -4,8 +4,7 @@
 2. Progress watchdog: a connection with unacknowledged chunks and bytes in flight, whose
    kernel-level delivery counter (TCP_INFO tcpi_delivered, i.e. TCP ACKs incl. SACKs) has not
    moved and on which no ACK at all (tcpi_last_ack_recv, not even a duplicate) arrived for
-   ``stall_limit(rail)`` = max(WATCHDOG_MIN, WATCHDOG_FACTOR * (a_r + 64 KiB * b_r) with b_r
-   the larger of this rank's and the agreed estimate,
+   ``stall_limit(rail)`` = max(WATCHDOG_MIN, WATCHDOG_FACTOR * (a_r + 64 KiB * b_r),
    WATCHDOG_RTO * tcpi_rto before back-off), is *checked*: the peer is asked over another rail
    whether bytes still reach it on that connection. Nothing (or no answer within
    CHECK_TIMEOUT) means a black hole, if the probes agree; some means slow, not dead. A
@@ -59,7 +58,7 @@ a second of a rail's return; and every LIVENESS_EVERY the peer's listeners are d
 peer's process is gone and the job fails at once with PeerClosedError, instead of waiting
 out the collective's timeout as it must for a path that is merely broken.
 Events: rail_check, rail_alive, probe_verdict, rail_suspected, rail_down, rerouted, rail_agreed,
-probe, rail_up, peer_unreachable, peer_reachable, peer_slow.
+probe, rail_up, peer_unreachable, peer_reachable.
 """
 from __future__ import annotations
 
@@ -179,20 +178,10 @@ class Health:
                 pass
 
     def stall_limit(self, rail) -> float:
-        a = self.eng.balancer.est[rail].a
-        return max(self.watchdog_min, WATCHDOG_FACTOR * (a + (64 << 10) * self._rail_b(rail)))
-
-    def _rail_b(self, rail: int) -> float:
-        """The rail's cost per byte as the limits use it: the larger of this rank's own
-        estimate and the agreed one (a ring's slowest hop), else WATCHDOG_NOMINAL_BPS. A
-        rank without its own estimate yet took a 10 Mbit/s rail for a 100 Mbit/s one (a
-        20 ms limit where 160 ms is right) and suspected it while the agreed split was in
-        use (32 hosts)."""
         bal = self.eng.balancer
-        rs = getattr(bal, "rs", None)
-        known = [x for x in (bal.est[rail].b, rs.b[rail] if rs is not None else float("nan"))
-                 if x == x and x > 0]
-        return max(known) if known else 1.0 / WATCHDOG_NOMINAL_BPS
+        est = bal.est[rail]
+        b = est.b if est.b == est.b else 1.0 / WATCHDOG_NOMINAL_BPS
+        return max(self.watchdog_min, WATCHDOG_FACTOR * (est.a + (64 << 10) * b))
 
     def _guarded(self, loop: Callable[[], None]) -> None:
         """Run one of the health loops; an exception it did not expect is a bug, and the job
@@ -207,10 +196,7 @@ class Health:
         """How long the health thread sleeps: TICK, or longer when every rail's stall limit
         is long (slow rails: 160 ms at 10 Mbit/s), so that its precision stays a small part
         of the limit it enforces."""
-        try:
-            shortest = min(self.stall_limit(r) for r in range(len(self.rail_addrs)))
-        except (ValueError, AttributeError, IndexError, KeyError):
-            return TICK
+        shortest = min((self.stall_limit(r) for r in range(len(self.rail_addrs))), default=0.0)
         return min(TICK_MAX, max(TICK, TICK_FRACTION * shortest))
 
     def run(self):
@@ -441,16 +427,10 @@ class Health:
         """The least a probe on the rail is given: it queues behind the rail's bulk data, so
         twice the connection's smoothed RTT (which grows with that queue when a rail slows;
         a black hole leaves it as it was) and two 64 KiB segments at the rail's cost."""
-        b = self._rail_b(conn.rail)
+        est = self.eng.balancer.est[conn.rail]
+        b = est.b if est.b == est.b else 1.0 / WATCHDOG_NOMINAL_BPS
         ti = tcp_info(conn.sock) if conn.tcp_info_ok else None
-        least = max(PROBE_TIMEOUT_MIN, 2 * (64 << 10) * b, 2 * ti.rtt if ti else 0.0)
-        if not conn.dead_answered:
-            # the peer did not answer the question behind the evidence either: a slow peer
-            # (32 ranks on 2 cores), whose answers on this rail queue behind its own share
-            # as our probes do behind ours. Given 105 ms on 10 Mbit/s rails, 12 probes went
-            # unanswered there while the idle rail's answered, and the rail was failed
-            least = max(least, 4 * (64 << 10) * b, self.check_timeout)
-        return least
+        return max(PROBE_TIMEOUT_MIN, 2 * (64 << 10) * b, 2 * ti.rtt if ti else 0.0)
 
     def _ref_rail(self, conn) -> Optional[int]:
         others = [r for r in self.eng.live_rails(conn.peer, data=False) if r != conn.rail]
@@ -504,20 +484,15 @@ class Health:
         of a message on it is due (the split is the same on every rank) and its other rails
         deliver that message. As the sender's watchdog asks the receiver, the receiver asks
         the sender (over another rail) whether its TCP still gets ACKs on the rail: a slow or
-        congested rail still returns some, a black hole none. No ACKs is evidence, and the
-        path probes decide (``dead``). No answer within CHECK_TIMEOUT is not: a sender that
-        answers nothing is slow (or hung, which the collective's timeout reports), and its
-        own watchdog watches this direction of the rail, with a peer (us) that answers. With
-        32 ranks on 2 cores such a sender's rail was failed on probes lost behind the two
-        ends' bulk data on that rail, while the idle rail's came back."""
+        congested rail still returns some, a black hole none. No ACKs (or no answer within
+        CHECK_TIMEOUT) is evidence, and the path probes decide (``dead``)."""
         if conn.rx_check_id is not None:
             if now - conn.rx_check_t > self.check_timeout:
                 conn.rx_check_id = None
-                conn.rx_ok_t = now           # quiet afresh from here
-                self.eng.events.emit("peer_slow", peer=conn.peer, rail=conn.rail,
-                                     evidence=conn.rx_check_why + f"; rank {conn.peer} did "
-                                     f"not say within {self.check_timeout * 1e3:.0f} ms "
-                                     f"whether its ACKs arrive")
+                self.dead(conn, conn.rx_check_why + f"; rank {conn.peer} did not say within "
+                          f"{self.check_timeout * 1e3:.0f} ms whether its ACKs arrive", now,
+                          answered=False)
+                return not conn.alive
             return False
         # the sender's watchdog is the first line (it sees TCP's own progress); this one
         # catches what it cannot (a sender whose data never reaches its socket), later: a
