@@ -43,9 +43,10 @@ Cold/hot state machine for the current set of live rails::
     HOT  --(a rail leaves, or one comes back that was measured before)--> HOT
     HOT  --(a rail joins that was never measured)--> COLD
 
-COLD split: messages < COLD_SMALL bytes ride the single best rail (lowest agreed a), larger
-ones are split in equal shares. HOT split: the cost model above; messages below MIN_SPLIT
-bytes ride the best rail, and a rail is added only if it saves more than the agreed rail
+COLD split: messages < COLD_SMALL bytes ride the single best rail (lowest agreed a) unless
+their operation is metered (>= SAMPLE_MIN_OP: its samples are what leaves COLD), larger ones
+are split in equal shares. HOT split: the cost model above; messages below MIN_SPLIT bytes
+ride the best rail when it carries them in under SPLIT_SMALL_S, and a rail is added only if it saves more than the agreed rail
 overhead: the CPU seconds one more rail costs a message (RAIL_CPU_S), stretched by how
 oversubscribed each rank's CPUs are (``rail_overhead``; the median over the ranks). In HOT
 each agreed table
@@ -80,6 +81,7 @@ from typing import NamedTuple
 import numpy as np
 
 from .config import Config
+from .costs import SAMPLE_MIN_OP
 
 COLD, HOT = "cold", "hot"
 
@@ -101,7 +103,8 @@ PROBE_AFTER = 3        # tables without news of a rail before it is given a prob
 PROBE_RATIO = 20.0     # ...as if it cost this many times the best rail per byte
 HYSTERESIS = 0.02      # a move must save this much of an operation's time (_saving)
 COLD_SMALL = 64 << 10
-MIN_SPLIT = 32 << 10
+MIN_SPLIT = 32 << 10   # HOT: a message below this rides one rail...
+SPLIT_SMALL_S = 2e-3   # ...unless that rail would take this long (Balancer.split)
 # CPU seconds one rank spends per rail per message (its frame out and that frame's ACK in,
 # the neighbour's frame in and its ACK out; thread wake-ups included): 5 ranks on loopback
 # used 150 us more per rail and ring step with 14 rails than with 1 (nezha.bench, stripe).
@@ -754,8 +757,17 @@ class Balancer:
         # table, 1.5 s after the change, not the second (RailState.shift is kept)
 
     # ---- the split
-    def split(self, nbytes: int, elem: int, live=None) -> list[tuple[int, int, int]]:
-        """[(rail, offset, length), ...] covering [0, nbytes); one (rail, 0, 0) if empty."""
+    def split(self, nbytes: int, elem: int, live=None,
+              op_total: int = 0) -> list[tuple[int, int, int]]:
+        """[(rail, offset, length), ...] covering [0, nbytes); one (rail, 0, 0) if empty.
+
+        ``op_total``: bytes of the whole collective buffer the message belongs to (the
+        frames carry it, so a receiver computes the same split). A small message of an
+        operation that is metered is still split in COLD, so every rail gets cost samples:
+        a ring's block is the buffer over the host count (16 KiB for 1 MiB on 64 hosts),
+        and a rule on the block alone kept a second rail unmeasured, and unused, for good.
+        In HOT a small message rides one rail unless that rail would take SPLIT_SMALL_S or
+        more, then the cost model decides (2 Mbit/s rails: 65 ms for 16 KiB)."""
         live = tuple(self.rs.live if live is None else live)
         if not live:
             raise ValueError("no live rail")
@@ -765,13 +777,15 @@ class Balancer:
         if self.mode == "stripe":
             sizes = weighted_split(nbytes, self.pinned, live, self.nrails, elem)
         elif self.rs.state == HOT and set(live) == set(self.rs.live):
-            if nbytes < MIN_SPLIT:
-                return [(self._best(live, nbytes), 0, nbytes)]
             a = [self.rs.used_a[r] if r in live else 0.0 for r in range(self.nrails)]
             b = [self.rs.used_b[r] if r in live else float("nan") for r in range(self.nrails)]
+            if nbytes < MIN_SPLIT:
+                best = self._best(live, nbytes)
+                if not a[best] + nbytes * b[best] >= SPLIT_SMALL_S:    # (nan: not known)
+                    return [(best, 0, nbytes)]
             sizes = cost_split(nbytes, a, b, elem, self.rs.overhead)
         else:
-            if nbytes < COLD_SMALL:
+            if nbytes < COLD_SMALL and op_total < SAMPLE_MIN_OP:
                 return [(self._best(live, nbytes), 0, nbytes)]
             sizes = equal_split(nbytes, live, self.nrails, elem)
         out, off = [], 0

@@ -85,7 +85,8 @@ class Receiving:
             return False
         for slot in slots:
             try:
-                plan = self.balancer.split(slot.total, ELEM_BYTES.get(slot.dtype, 1), live)
+                plan = self.balancer.split(slot.total, ELEM_BYTES.get(slot.dtype, 1), live,
+                                           slot.op_total)
             except (ValueError, ZeroDivisionError):
                 continue
             share = sum(length for r, _, length in plan if r == rail)

@@ -67,7 +67,7 @@ class Sending:
                 self.sends[key] = msg
                 return msg
             plan = [(rail, 0, len(view))] if rail in live else \
-                self.balancer.split(len(view), elem, live)
+                self.balancer.split(len(view), elem, live, desc.op_total)
             self._cut(msg, plan)
             self.sends[key] = msg
             # a start-up sample is only honest from a rail with nothing of ours before it

@@ -627,3 +627,19 @@ def test_copies_sent_at_once_spread_over_the_rails_by_when_each_would_finish():
     assert fast_slow.spread(64 << 10, 3, [1]) == [1, 1, 1]   # only the live rails
     cold = Balancer(3, "nezha")            # no rates yet: round robin
     assert sorted(cold.spread(4096, 3, [0, 1, 2])) == [0, 1, 2]
+
+
+def test_a_ring_of_many_hosts_measures_and_uses_every_rail_however_small_its_blocks():
+    """1 MiB over 64 ranks is a 16 KiB ring block: a rule on the block alone put every one
+    on the best rail, the second rail was never measured and never used (64 hosts x 2 x 2
+    Mbit/s: 0.988 of the bytes on r0, 0.36 of the rail sum)."""
+    bal = Balancer(2, "nezha")
+    block, op = 16 << 10, 1 << 20
+    assert len(bal.split(block, 4, op_total=op)) == 2               # metered: every rail
+    assert len(bal.split(block, 4, op_total=32 << 10)) == 1         # a small op: one rail
+    agreed(bal, [4e-6, 4e-6])                                       # 2 Mbit/s rails
+    assert bal.rs.state == "hot"
+    assert [n for _, _, n in bal.split(block, 4, op_total=op)] == [block // 2, block // 2]
+    # the same block on 1 Gbit/s rails takes 0.13 ms on one: not worth a second rail's CPU
+    fast = hot([8e-9, 8e-9])
+    assert len(fast.split(block, 4, op_total=op)) == 1
