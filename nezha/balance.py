@@ -104,7 +104,9 @@ PROBE_RATIO = 20.0     # ...as if it cost this many times the best rail per byte
 HYSTERESIS = 0.02      # a move must save this much of an operation's time (_saving)
 COLD_SMALL = 64 << 10
 MIN_SPLIT = 32 << 10   # HOT: a message below this rides one rail...
-SPLIT_SMALL_S = 2e-3   # ...unless that rail would take this long (Balancer.split)
+SPLIT_SMALL_S = 10e-3  # ...unless that rail would take this long (Balancer.split): 16 hosts
+                       # x 60 + 20 Mbit/s, 256 KiB (16 KiB blocks, 2.2 ms on r0) were 0.74 of
+                       # the single-rail ring split by the model at 2 ms, 0.83 on one rail
 # CPU seconds one rank spends per rail per message (its frame out and that frame's ACK in,
 # the neighbour's frame in and its ACK out; thread wake-ups included): 5 ranks on loopback
 # used 150 us more per rail and ring step with 14 rails than with 1 (nezha.bench, stripe).
