@@ -46,10 +46,10 @@ Cold/hot state machine for the current set of live rails::
 COLD split: messages < COLD_SMALL bytes ride the single best rail (lowest agreed a) unless
 their operation is metered (>= SAMPLE_MIN_OP: its samples are what leaves COLD), larger ones
 are split in equal shares. HOT split: the cost model above; messages below MIN_SPLIT bytes
-ride the best rail when it carries them in under SPLIT_SMALL_S, and a rail is added only if it saves more than the agreed rail
-overhead: the CPU seconds one more rail costs a message (RAIL_CPU_S), stretched by how
-oversubscribed each rank's CPUs are (``rail_overhead``; the median over the ranks). In HOT
-each agreed table
+ride the best rail when it carries them in under SPLIT_SMALL_S, and a rail is added only if
+it saves more than the agreed rail overhead: the CPU seconds one more rail costs a message
+(RAIL_CPU_S), stretched by how oversubscribed each rank's CPUs are (``rail_overhead``; the
+median over the ranks). In HOT each agreed table
 
   * makes a rail whose last operation shows a change jump to its new cost (RailState._shifts):
     slower on every hop at once, on one hop twice in a row, faster (compared at the same
