@@ -110,6 +110,13 @@ class Sending:
             msg.t0.setdefault(conn.rail, now)
             # a hedge copy names the rail whose share it is (the receiver charges that rail)
             aux = msg.aux if conn.rail == ch.rail else msg.aux | ((ch.rail + 1) << wire.COPY_SHIFT)
+            # counted here, under the lock, before the write: counted after it, a writer
+            # preempted between its write and the count let the peer's ACK complete the
+            # operation first, and a caller reading the counters after the collective saw
+            # nothing sent (2 ranks, 16 KiB, under a full suite's load)
+            c = self.events.rails[conn.rail]
+            c.bytes_sent += ch.length
+            c.chunks_sent += 1
         hdr = wire.Header(wire.DATA, kind=msg.kind, dtype=msg.dtype, redop=msg.redop,
                           rail=conn.rail, src=self.rank, aux=aux, op_id=msg.key[0],
                           step=msg.key[1], chunk=ch.idx, offset=ch.offset, length=ch.length,
@@ -120,9 +127,6 @@ class Sending:
         if self.trace:
             self.events.emit("tx", rail=conn.rail, peer=conn.peer, op=ch.msg.key[0],
                              step=ch.msg.key[1], off=ch.offset, len=ch.length, t0=ch.t_send)
-        c = self.events.rails[conn.rail]
-        c.bytes_sent += ch.length
-        c.chunks_sent += 1
 
     def on_ack(self, conn, h):
         now = time.monotonic()

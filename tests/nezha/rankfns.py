@@ -375,3 +375,29 @@ def bytes_per_allreduce(rank, world, port, count, direct_max=None, nrails=2):
             exact &= bool(np.array_equal(a, reference(world, it, count, "float32", "sum")))
         ctx.barrier()
     return sent, exact
+
+
+def bytes_counted_when_the_writer_lags(rank, world, port, count):
+    """Bytes on each rail's counters right after an allreduce returns, when every DATA frame
+    leaves from the writer thread and that thread stalls 0.3 s after each write (as a writer
+    preempted between its write and what follows): the peer's ACK completes the operation
+    first."""
+    from nezha.transport import base
+    real = base.send_vec
+
+    def defer(sock, bufs):
+        return [memoryview(b).cast("B") for b in bufs if len(b)]
+
+    def write_then_stall(sock, bufs):
+        real(sock, bufs)
+        if sum(len(b) for b in bufs) > 4096:
+            time.sleep(0.3)
+
+    base.send_vec_now, base.send_vec = defer, write_then_stall
+    with make_ctx(rank, world, port) as ctx:
+        a = data(rank, 0, count, "float32")
+        ctx.allreduce(a)
+        sent = [c.bytes_sent for c in ctx.events.rails]
+        exact = bool(np.array_equal(a, reference(world, 0, count, "float32", "sum")))
+        ctx.barrier()
+    return sent, exact

@@ -130,6 +130,18 @@ def test_a_small_allreduce_goes_in_one_direct_round_spread_over_the_rails(world)
         assert abs(sum(sent) - ring_bytes) < 4096, (r, sent)
 
 
+def test_bytes_are_counted_by_the_time_the_collective_returns():
+    """A rail's byte counter includes a frame as soon as it is handed to the rail: counted
+    after the write, a writer preempted in between left the counters at 0 for an allreduce
+    that had already returned (seen once in a full suite)."""
+    count = 4096                                     # 16 KiB, one direct round
+    res = ok_results(run_ranks(rankfns.bytes_counted_when_the_writer_lags, 2, timeout=60,
+                               count=count))
+    for r, (sent, exact) in res.items():
+        assert exact, r
+        assert sum(sent) >= count * 4, (r, sent)
+
+
 def test_a_message_above_the_direct_limit_takes_the_ring():
     count = (256 << 10) // 4                         # 256 KiB x 2 peers > 256 KiB
     res = ok_results(run_ranks(rankfns.bytes_per_allreduce, 3, timeout=60, count=count))
