@@ -21,6 +21,7 @@ keeps the forward passes' bits the same on every rank.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import os
@@ -147,6 +148,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(1)
     init_backend(args.backend, args.timeout)
+    gc.freeze()          # see nezha/worker.py: a full collection in one rank stalls them all
     rank, world = dist.get_rank(), dist.get_world_size()
     path = os.environ.get("NEZHA_RESULTS")
     try:
