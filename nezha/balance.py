@@ -81,7 +81,7 @@ from typing import NamedTuple
 import numpy as np
 
 from .config import Config
-from .costs import SAMPLE_MIN_OP
+from .costs import gives_samples
 
 COLD, HOT = "cold", "hot"
 
@@ -787,7 +787,7 @@ class Balancer:
                     return [(best, 0, nbytes)]
             sizes = cost_split(nbytes, a, b, elem, self.rs.overhead)
         else:
-            if nbytes < COLD_SMALL and op_total < SAMPLE_MIN_OP:
+            if nbytes < COLD_SMALL and not gives_samples(op_total):
                 return [(self._best(live, nbytes), 0, nbytes)]
             sizes = equal_split(nbytes, live, self.nrails, elem)
         out, off = [], 0

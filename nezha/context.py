@@ -41,7 +41,7 @@ from .health import Health
 from .pathprobe import PathProber
 from .hybrid import HybridAllreduce
 from .kinds import OPS, SYSTEMS
-from .costs import SAMPLE_MIN_OP
+from .costs import gives_samples
 from .rails import parse_rails
 from .rendezvous import Member, Rendezvous
 from .transport import make_transport
@@ -186,7 +186,7 @@ class Context:
     def _metered(self, nbytes: int) -> bool:
         """Only operations large enough to tell (a small one's share times are mostly
         thread wake-ups), and only where the split depends on them."""
-        return nbytes >= SAMPLE_MIN_OP and self.balancer.mode == "nezha" and self.nrails > 1
+        return gives_samples(nbytes) and self.balancer.mode == "nezha" and self.nrails > 1
 
     def _record_costs(self, op_id: int) -> None:
         """The operation's per-rail cost samples (costs.py) go to the balancer."""

@@ -29,6 +29,12 @@ SAMPLE_MIN_OP = 128 << 10     # operations smaller than this give no sample
 TAIL_SHARE = 0.25             # the tail: the last messages carrying this much of a rail's op
 
 
+def gives_samples(op_bytes: int) -> bool:
+    """Is an operation of ``op_bytes`` measured? The one rule for the Context (which ops it
+    records) and the balancer (which small messages it still splits in COLD, for samples)."""
+    return op_bytes >= SAMPLE_MIN_OP
+
+
 class ShareCosts:
     """Accumulates the current operation's per-rail (bytes, seconds); ``take`` empties it.
     Called with the engine's lock held."""
