@@ -16,8 +16,10 @@ Estimates:
     over the last ``WINDOW`` samples (an outlier is diluted, not dropped: a lossy rail's
     stalls are part of its cost), trusted from MIN_SAMPLES samples spanning MIN_BUSY_S.
   * a_r (start-up seconds) is measured by the *sender* from small messages: send start ->
-    ACK (minus s*b_r), minimum of the last samples (queueing only ever inflates a sample).
-    Until measured it is ``A_NOMINAL``.
+    ACK (minus s*b_r), minimum of the samples of the last A_MAX_AGE_S (queueing only ever
+    inflates a sample; a retransmission too, and a rail that carries only large shares is
+    never sampled again, so an old sample expires). Without a recent one the agreement takes
+    the best rail's, or ``A_NOMINAL``; a probed rail starts up as fast as the best.
 
 Agreement (why all ranks split identically): every rank's local table per rail (a, b, the
 sample count, and what its last operation cost: ``last``, ``rise``, ``fall``, see
@@ -75,6 +77,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+import time
 from collections import deque
 from typing import NamedTuple
 
@@ -86,6 +89,9 @@ from .costs import gives_samples
 COLD, HOT = "cold", "hot"
 
 A_NOMINAL = 100e-6
+A_MAX_AGE_S = 1.0      # a start-up sample is trusted this long (RailEstimator.a): one taken in
+                       # a 30 % loss burst (51-191 ms, RTOs) kept a 200 Mbit/s rail at a
+                       # quarter of its share, or out of the split, for the rest of the run
 WINDOW = 8             # cost samples (operations) per rail estimate
 MIN_BUSY_S = 0.005     # busy time an estimate must span (share times are monotonic-clock
                        # stamps of frame arrivals; 20 ms kept a 636 Mbit/s rail's 25 KB
@@ -220,21 +226,33 @@ class RailEstimator:
     """Local measurements of one rail (this rank's view)."""
 
     def __init__(self, window: int = WINDOW):
-        self.a = A_NOMINAL
-        self.a_samples = 0
         self.b_window: deque = deque(maxlen=window)
-        self.a_window: deque = deque(maxlen=2 * window)
+        self.a_window: deque = deque(maxlen=2 * window)     # (monotonic time, seconds)
         # seconds per byte of the last operation's last messages (costs.ShareCosts._tail)
         self.tail = float("nan")
 
-    def record_a(self, seconds: float):
+    def record_a(self, seconds: float, now: float | None = None):
         if seconds <= 0:
             return
-        self.a_window.append(seconds)
-        # the minimum: a sample can only be inflated (an ACK queued behind bulk data going
-        # the other way, a busy CPU), never deflated
-        self.a = float(min(tuple(self.a_window)))
-        self.a_samples += 1
+        self.a_window.append((time.monotonic() if now is None else now, seconds))
+
+    def fresh_a(self, now: float | None = None) -> float:
+        """The start-up cost: the least sample of the last A_MAX_AGE_S (a sample can only be
+        inflated, by an ACK queued behind bulk data going the other way, a busy CPU or a
+        retransmission, never deflated); nan when none is that recent. Samples come only
+        from small shares, which a rail in a split of large messages never carries: an old
+        one would stay for good, and an inflated one (taken in a loss burst) keeps the rail
+        out of the split that could measure it again. The agreement fills a rail without
+        one with the best measured start-up (Balancer.agree)."""
+        now = time.monotonic() if now is None else now
+        fresh = [x for t, x in tuple(self.a_window) if now - t <= A_MAX_AGE_S]
+        return float(min(fresh)) if fresh else float("nan")
+
+    @property
+    def a(self) -> float:
+        """fresh_a, or A_NOMINAL without a recent sample (the watchdog's limit)."""
+        x = self.fresh_a()
+        return A_NOMINAL if math.isnan(x) else x
 
     def record_b(self, nbytes: int, seconds: float, tail: float = float("nan")):
         """One operation's bytes on this rail, the time its shares took and the cost per byte
@@ -416,13 +434,26 @@ class RailState:
                 bool(usable) and max(self.silent[r] for r in live) >= PROBE_AFTER)
             return self._enter_hot(a, b, usable) if enough else []
         jumps = self._shifts(recent) if recent is not None else {}
-        for r in usable:
-            if self.probed[r]:
-                jumps[r], self.probed[r] = b[r], False
+        jumps.update(self._measured_probes(b, usable, counts, recent))
         news = [r for r in usable if counts[r] >= self.patience]
-        if not news and not jumps:
+        if not news and not jumps and not self._start_up_fell(a):
             return []
         return self._damped_move(a, b, news, jumps)
+
+    def _measured_probes(self, b, usable, counts, rec: "Recent | None") -> dict:
+        """Probed rails that have been measured: {rail: cost}. The first measurement replaces
+        the probing guess whole, and one operation gives it (its last cost on the slowest
+        hop; the estimate needs two): on operations of 1 s, a rail back from a 30 % loss
+        burst waited 3.4 s for its share."""
+        out = {}
+        for r in self.live:
+            if not self.probed[r]:
+                continue
+            cost = b[r] if r in usable else (
+                rec.last_hi[r] if rec is not None and counts[r] >= 1 else float("nan"))
+            if _usable(cost):
+                out[r], self.probed[r] = cost, False
+        return out
 
     def _shifts(self, rec: "Recent") -> dict:
         """Rails whose last operation says they changed: {rail: new cost per byte}.
@@ -530,6 +561,20 @@ class RailState:
             return max(target, x / FALL_MAX), True
         return None, back or cheaper
 
+    def _start_up_fell(self, a) -> bool:
+        """Has some live rail's agreed start-up cost fallen below the one in use?"""
+        return self.used_a is not None and any(a[r] < self.used_a[r] for r in self.live)
+
+    def _probing_start_up(self, sa) -> None:
+        """A probed rail starts up no slower than the best live rail: its probing share is
+        for measuring it, and a start-up cost that exceeds a message's time on the other
+        rails gives it nothing of that message (2 MiB blocks on 200 Mbit/s rails: 45 ms,
+        where one taken in a loss burst was 191 ms)."""
+        best = min(sa[r] for r in self.live)
+        for r in self.live:
+            if self.probed[r]:
+                sa[r] = best
+
     def _enter_hot(self, a, b, news) -> list:
         best = min(b[r] for r in news)
         self.state = HOT
@@ -538,6 +583,7 @@ class RailState:
         self.used_b = [b[r] if r in news or r not in self.live else PROBE_RATIO * best
                        for r in range(self.nrails)]
         self.probed = [r in self.live and r not in news for r in range(self.nrails)]
+        self._probing_start_up(self.used_a)
         self.moved = True
         self.reason = "estimates for every rail"
         return [("state", {"state": HOT, "reason": self.reason}),
@@ -554,20 +600,30 @@ class RailState:
         again (the next table puts it back if it really is bad)."""
         live, jumps = self.live, jumps or {}
         step, trend, turned = self._steps(b, news, jumps)
-        sa = [(x + y) / 2 for x, y in zip(self.used_a, a)]
+        # a start-up cost that fell is taken at once (its estimate is a minimum, which only an
+        # expired inflated sample raised); one that rose is damped
+        sa = [y if y < x else (x + y) / 2 for x, y in zip(self.used_a, a)]
         sb = [x + step[r] * ((b[r] if r in news else x) - x) if r in live else self.b[r]
               for r, x in enumerate(self.used_b)]
         for r, cost in jumps.items():
             sb[r] = cost
         best = min(sb[r] for r in live)
+        probing = False
         for r in live:
             if self.silent[r] >= PROBE_AFTER and sb[r] > PROBE_RATIO * best:
                 sb[r] = PROBE_RATIO * best
                 self.silent[r] = 0
-                self.probed[r] = True
+                self.probed[r] = probing = True
+        self._probing_start_up(sa)
         old = self.shares(REF_SIZE)
         new = self._model_shares(REF_SIZE, sa, sb)
-        if self._saving(old, new) <= HYSTERESIS:
+        # a probe is a measurement: it is made even where the model sees no saving in it
+        if not probing and self._saving(old, new) <= HYSTERESIS:
+            # a start-up cost that fell is taken all the same: the saving is judged on a 16
+            # MiB message, and a ring block of 2 MiB on 200 Mbit/s rails (45 ms) loses a
+            # fifth of a rail's share to a stale 10 ms start-up that 16 MiB hardly notices
+            self.used_a = [min(x, y) if r in live else x
+                           for r, (x, y) in enumerate(zip(self.used_a, sa))]
             return []
         self.step, self.trend = step, trend
         if jumps:
@@ -682,7 +738,7 @@ class Balancer:
         t = np.zeros((self.nrails, TABLE_COLUMNS), dtype=np.float64)
         over = rail_overhead(self.rail_cpu_s)
         for r, e in enumerate(self.est):
-            t[r] = (e.a if e.a_samples else float("nan"), e.b, len(e.b_window), e.last,
+            t[r] = (e.fresh_a(), e.b, len(e.b_window), e.last,
                     e.rise, e.fall, over, e.tail, e.tail_rise)
         return t
 

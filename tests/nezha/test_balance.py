@@ -413,6 +413,50 @@ def test_missing_startup_estimate_is_filled_from_measured_rails():
     assert bal.rs.a == [3e-4, 3e-4]
 
 
+def test_a_start_up_sample_expires_so_a_loss_burst_does_not_set_it_for_good():
+    """Start-up samples come only from small shares; one taken during a loss burst (an RTO:
+    191 ms) must not outlive the burst, or the rail keeps a tiny share of every large
+    message, which never gives a new sample."""
+    e = balance.RailEstimator()
+    e.record_a(0.191, now=100.0)
+    e.record_a(0.25, now=100.2)
+    assert e.fresh_a(now=100.5) == pytest.approx(0.191)
+    assert math.isnan(e.fresh_a(now=100.0 + balance.A_MAX_AGE_S + 0.3))
+    e.record_a(2e-4, now=102.0)
+    assert e.fresh_a(now=102.1) == pytest.approx(2e-4)
+    assert e.fresh_a(now=102.0 + balance.A_MAX_AGE_S + 0.1) != e.fresh_a(now=102.1)
+
+
+def test_an_inflated_start_up_that_expires_gives_the_rail_its_share_back_at_the_next_table():
+    # 4 hosts x 2 x 200 Mbit/s, 2 MiB ring blocks: r1's start-up was measured in a 30 % loss
+    # burst (51 ms, a median over the ranks), so r1 took a sliver of each block
+    bal = Balancer(2, "nezha")
+    agreed(bal, [4.2e-8, 4.2e-8], a=(2e-4, 0.051), world=4)
+    assert bal.rs.state == "hot"
+    block = 2 << 20
+    r1 = dict((r, n) for r, _, n in bal.split(block, 4)).get(1, 0)
+    assert r1 < 0.3 * block
+    # the burst's samples expired on every rank: the table has no start-up for r1
+    agreed(bal, [4.2e-8, 4.2e-8], a=(2e-4, np.nan), world=4)
+    r1 = dict((r, n) for r, _, n in bal.split(block, 4)).get(1, 0)
+    assert r1 == pytest.approx(block / 2, rel=0.02)
+
+
+def test_a_rail_probed_with_a_start_up_longer_than_the_message_still_gets_bytes():
+    # r1 was only ever measured in a loss burst: no cost per byte, start-up 191 ms; a 2 MiB
+    # block takes 45 ms on r0, so a split by that start-up gives r1 nothing, and a rail that
+    # carries nothing is never measured again (it stayed at 0 for the rest of the run)
+    bal = Balancer(2, "nezha")
+    t = np.full((4, 2, balance.TABLE_COLUMNS), np.nan)
+    t[:, 0, :3] = (2e-4, 4.2e-8, 5)
+    t[:, 1, :3] = (0.191, np.nan, 0)
+    for _ in range(balance.PROBE_AFTER):
+        bal.agree(t)
+    assert bal.rs.state == "hot" and bal.rs.probed[1]
+    r1 = dict((r, n) for r, _, n in bal.split(2 << 20, 4)).get(1, 0)
+    assert r1 > 0
+
+
 def test_a_rail_left_out_keeps_its_cost_and_is_probed_after_three_silent_tables():
     bal = Balancer(3, "nezha")
     agreed(bal, [1e-8, 1e-8, 1e-5], a=(1e-4,) * 3)          # rail 2: 1000x slower
@@ -463,6 +507,24 @@ def test_a_probed_rails_first_estimate_replaces_the_guess_at_once():
     assert bal.rs.used_b[0] == pytest.approx(5.3e-8)
     assert bal.rs.shares()[0] == pytest.approx(1 / 5.3e-8 / (1 / 5.3e-8 + 1 / 1.4e-7
                                                             + 1 / 6.7e-7), rel=0.01)
+
+
+def test_a_probed_rail_is_taken_at_its_measured_cost_after_one_operation():
+    """On operations of a second (4 hosts, 16 MiB, r0 alone), waiting for the two samples an
+    estimate needs kept a rail back from a loss burst at its probing share for 2 s more."""
+    bal = Balancer(2, "nezha")
+    t = np.full((4, 2, balance.TABLE_COLUMNS), np.nan)
+    t[:, 0, :3] = (2e-4, 4.2e-8, 5)
+    t[:, 1, :3] = (np.nan, np.nan, 0)
+    for _ in range(balance.PROBE_AFTER):
+        bal.agree(t)
+    assert bal.rs.probed[1] and bal.rs.shares()[1] < 0.06
+    t[:, 0, :3] = (2e-4, 4.2e-8, 1)
+    t[:, 1, :4] = (np.nan, np.nan, 1, 4.3e-8)       # one operation on r1: as fast as r0
+    t[:, 0, 3] = 4.2e-8
+    bal.agree(t)
+    assert not bal.rs.probed[1]
+    assert bal.rs.shares()[1] == pytest.approx(0.5, abs=0.02)
 
 
 def test_rise_and_fall_compare_operations_at_one_split():
