@@ -106,7 +106,8 @@ STEP_START = 0.5       # a table moves a rail's cost in use half way towards it 
 STEP_MAX = 1.0         # ...all the way while the rail keeps moving in one direction,
 STEP_MIN = 0.0625      # ...and 1/16 of the way once it turned back four times
 PROBE_AFTER = 3        # tables without news of a rail before it is given a probing share...
-PROBE_RATIO = 20.0     # ...as if it cost this many times the best rail per byte
+PROBE_RATIO = 20.0     # ...as if it cost this many times the best rail per byte,
+PROBE_MEASURES = 2     # ...and its first this many measurements replace its cost whole
 HYSTERESIS = 0.02      # a move must save this much of an operation's time (_saving)
 COLD_SMALL = 64 << 10
 MIN_SPLIT = 32 << 10   # HOT: a message below this rides one rail...
@@ -372,7 +373,7 @@ class RailState:
         # measurement: its first estimate replaces the guess whole. Damped from the guess, a
         # 150 Mbit/s rail probed at 1/20 of 59 Mbit/s kept 2 % of the message while three
         # rails of 12-18 Mbit/s carried 60 % (0.27 of the optimum, half the single rail)
-        self.probed = [False] * nrails
+        self.probed = [0] * nrails        # measurements still to take whole (PROBE_MEASURES)
         self.shift = [0] * nrails         # per rail: the last table's sign of change (_shifts)
         self.worth = [0.0] * nrails       # per rail: its cost before it last slowed (_shifts)
         self.before = [0.0] * nrails      # per rail: its cost in use when it began to look slower
@@ -391,7 +392,7 @@ class RailState:
         self.trend = [0] * self.nrails
         self.worth = [0.0] * self.nrails
         self.before = [0.0] * self.nrails
-        self.probed = [False] * self.nrails
+        self.probed = [0] * self.nrails
         self.reason = reason
         return [("state", {"state": COLD, "reason": reason})] if changed else []
 
@@ -441,10 +442,14 @@ class RailState:
         return self._damped_move(a, b, news, jumps)
 
     def _measured_probes(self, b, usable, counts, rec: "Recent | None") -> dict:
-        """Probed rails that have been measured: {rail: cost}. The first measurement replaces
-        the probing guess whole, and one operation gives it (its last cost on the slowest
-        hop; the estimate needs two): on operations of 1 s, a rail back from a 30 % loss
-        burst waited 3.4 s for its share."""
+        """Probed rails that have been measured: {rail: cost}. The first PROBE_MEASURES
+        measurements replace the cost whole, each from one operation (its last cost on the
+        slowest hop; the estimate needs two: on operations of 1 s, a rail back from a 30 %
+        loss burst waited 3.4 s for its share). Not only the first: it is taken at the small
+        probing share, which htb's bucket may pass at once (a 200 Mbit/s rail looked 4.5x
+        cheaper than its twin), or while the rail suffers what made it silent (a loss
+        burst: 14x its cost, and the damped steps then took more than 5 s to bring it back);
+        the second is taken at the share the first gave it."""
         out = {}
         for r in self.live:
             if not self.probed[r]:
@@ -452,7 +457,8 @@ class RailState:
             cost = b[r] if r in usable else (
                 rec.last_hi[r] if rec is not None and counts[r] >= 1 else float("nan"))
             if _usable(cost):
-                out[r], self.probed[r] = cost, False
+                out[r] = cost
+                self.probed[r] -= 1
         return out
 
     def _shifts(self, rec: "Recent") -> dict:
@@ -582,7 +588,8 @@ class RailState:
         self.used_a = list(a)
         self.used_b = [b[r] if r in news or r not in self.live else PROBE_RATIO * best
                        for r in range(self.nrails)]
-        self.probed = [r in self.live and r not in news for r in range(self.nrails)]
+        self.probed = [PROBE_MEASURES if r in self.live and r not in news else 0
+                       for r in range(self.nrails)]
         self._probing_start_up(self.used_a)
         self.moved = True
         self.reason = "estimates for every rail"
@@ -613,7 +620,7 @@ class RailState:
             if self.silent[r] >= PROBE_AFTER and sb[r] > PROBE_RATIO * best:
                 sb[r] = PROBE_RATIO * best
                 self.silent[r] = 0
-                self.probed[r] = probing = True
+                self.probed[r], probing = PROBE_MEASURES, True
         self._probing_start_up(sa)
         old = self.shares(REF_SIZE)
         new = self._model_shares(REF_SIZE, sa, sb)

@@ -523,8 +523,30 @@ def test_a_probed_rail_is_taken_at_its_measured_cost_after_one_operation():
     t[:, 1, :4] = (np.nan, np.nan, 1, 4.3e-8)       # one operation on r1: as fast as r0
     t[:, 0, 3] = 4.2e-8
     bal.agree(t)
-    assert not bal.rs.probed[1]
     assert bal.rs.shares()[1] == pytest.approx(0.5, abs=0.02)
+
+
+def test_a_rail_probed_during_a_loss_burst_gets_its_share_back_at_its_second_measurement():
+    """The probe's first measurement came from an operation in a 30 % loss burst (14x r0's
+    cost); the second, taken at the small share that gave it after the burst, replaces it
+    whole too, where damped steps took more than 5 s on operations of 1 s."""
+    bal = Balancer(2, "nezha")
+    t = np.full((4, 2, balance.TABLE_COLUMNS), np.nan)
+    t[:, 0, :3] = (2e-4, 4.2e-8, 5)
+    t[:, 1, :3] = (np.nan, np.nan, 0)
+    for _ in range(balance.PROBE_AFTER):
+        bal.agree(t)
+    t[:, 0, 2] = 1
+    t[:, 0, 3] = 4.2e-8
+    t[:, 1, :4] = (np.nan, np.nan, 1, 5.7e-7)       # in the burst
+    bal.agree(t)
+    assert bal.rs.shares()[1] < 0.1
+    t[:, 1, :4] = (np.nan, np.nan, 1, 4.4e-8)       # after it, at that share
+    bal.agree(t)
+    assert bal.rs.shares()[1] == pytest.approx(0.49, abs=0.02)
+    t[:, 1, :4] = (np.nan, np.nan, 1, 4.6e-8)       # from now on the damped steps
+    bal.agree(t)
+    assert not bal.rs.probed[1] and bal.rs.used_b[1] == pytest.approx(4.4e-8)
 
 
 def test_rise_and_fall_compare_operations_at_one_split():
