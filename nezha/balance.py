@@ -370,7 +370,7 @@ class RailState:
         self.trend = [0] * nrails         # per rail: direction of its last move (+1 / -1)
         self.silent = [0] * nrails        # per rail: tables in a row without news of it
         # per rail: its cost in use is the probing guess (PROBE_RATIO x the best), not a
-        # measurement: its first estimate replaces the guess whole. Damped from the guess, a
+        # measurement: its first PROBE_MEASURES replace it whole. Damped from the guess, a
         # 150 Mbit/s rail probed at 1/20 of 59 Mbit/s kept 2 % of the message while three
         # rails of 12-18 Mbit/s carried 60 % (0.27 of the optimum, half the single rail)
         self.probed = [0] * nrails        # measurements still to take whole (PROBE_MEASURES)
@@ -436,8 +436,9 @@ class RailState:
             return self._enter_hot(a, b, usable) if enough else []
         jumps = self._shifts(recent) if recent is not None else {}
         jumps.update(self._measured_probes(b, usable, counts, recent))
+        self._take_start_up_falls(a)
         news = [r for r in usable if counts[r] >= self.patience]
-        if not news and not jumps and not self._start_up_fell(a):
+        if not news and not jumps:
             return []
         return self._damped_move(a, b, news, jumps)
 
@@ -567,9 +568,14 @@ class RailState:
             return max(target, x / FALL_MAX), True
         return None, back or cheaper
 
-    def _start_up_fell(self, a) -> bool:
-        """Has some live rail's agreed start-up cost fallen below the one in use?"""
-        return self.used_a is not None and any(a[r] < self.used_a[r] for r in self.live)
+    def _take_start_up_falls(self, a) -> None:
+        """A start-up cost that fell is taken at once, with or without a move of the split
+        (one that rose is damped, _damped_move): its estimate is a minimum, which only an
+        expired inflated sample raised, and the hysteresis is judged on a 16 MiB message,
+        which hardly notices a stale 10 ms where a ring block of 2 MiB on 200 Mbit/s rails
+        (45 ms) loses a fifth of a rail's share to it."""
+        self.used_a = [min(x, y) if r in self.live else x
+                       for r, (x, y) in enumerate(zip(self.used_a, a))]
 
     def _probing_start_up(self, sa) -> None:
         """A probed rail starts up no slower than the best live rail: its probing share is
@@ -607,9 +613,7 @@ class RailState:
         again (the next table puts it back if it really is bad)."""
         live, jumps = self.live, jumps or {}
         step, trend, turned = self._steps(b, news, jumps)
-        # a start-up cost that fell is taken at once (its estimate is a minimum, which only an
-        # expired inflated sample raised); one that rose is damped
-        sa = [y if y < x else (x + y) / 2 for x, y in zip(self.used_a, a)]
+        sa = [(x + y) / 2 for x, y in zip(self.used_a, a)]   # (falls: _take_start_up_falls)
         sb = [x + step[r] * ((b[r] if r in news else x) - x) if r in live else self.b[r]
               for r, x in enumerate(self.used_b)]
         for r, cost in jumps.items():
@@ -626,11 +630,6 @@ class RailState:
         new = self._model_shares(REF_SIZE, sa, sb)
         # a probe is a measurement: it is made even where the model sees no saving in it
         if not probing and self._saving(old, new) <= HYSTERESIS:
-            # a start-up cost that fell is taken all the same: the saving is judged on a 16
-            # MiB message, and a ring block of 2 MiB on 200 Mbit/s rails (45 ms) loses a
-            # fifth of a rail's share to a stale 10 ms start-up that 16 MiB hardly notices
-            self.used_a = [min(x, y) if r in live else x
-                           for r, (x, y) in enumerate(zip(self.used_a, sa))]
             return []
         self.step, self.trend = step, trend
         if jumps:
