@@ -50,8 +50,8 @@ their operation is metered (>= SAMPLE_MIN_OP: its samples are what leaves COLD),
 are split in equal shares. HOT split: the cost model above; messages below MIN_SPLIT bytes
 ride the best rail when it carries them in under SPLIT_SMALL_S, and a rail is added only if
 it saves more than the agreed rail overhead: the CPU seconds one more rail costs a message
-(RAIL_CPU_S), stretched by how oversubscribed each rank's CPUs are (``rail_overhead``; the
-median over the ranks). In HOT each agreed table
+(RAIL_CPU_S), stretched by how long each rank's threads wait for a CPU (``rail_overhead``,
+``cpuload.RunQueueStretch``; the median over the ranks). In HOT each agreed table
 
   * makes a rail whose last operation shows a change jump to its new cost (RailState._shifts):
     slower on every hop at once, on one hop twice in a row, faster (compared at the same
@@ -76,7 +76,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 import time
 from collections import deque
 from typing import NamedTuple
@@ -84,6 +83,7 @@ from typing import NamedTuple
 import numpy as np
 
 from .config import Config
+from .cpuload import RunQueueStretch
 from .costs import gives_samples
 
 COLD, HOT = "cold", "hot"
@@ -115,9 +115,13 @@ SPLIT_SMALL_S = 10e-3  # ...unless that rail would take this long (Balancer.spli
                        # x 60 + 20 Mbit/s, 256 KiB (16 KiB blocks, 2.2 ms on r0) were 0.74 of
                        # the single-rail ring split by the model at 2 ms, 0.83 on one rail
 # CPU seconds one rank spends per rail per message (its frame out and that frame's ACK in,
-# the neighbour's frame in and its ACK out; thread wake-ups included): 5 ranks on loopback
-# used 150 us more per rail and ring step with 14 rails than with 1 (nezha.bench, stripe).
-# NEZHA_RAIL_CPU_US's default (config.py) is the one figure
+# the neighbour's frame in and its ACK out; thread wake-ups included), before the run-queue
+# stretch (rail_overhead). 5 ranks on loopback used 150 us more per rail and ring step with
+# 14 rails than with 1 (nezha.bench, stripe); on shaped rails, where a slow rail's share is
+# many small skbs, 300 x the measured stretch left out the rails whose shares cost more CPU
+# than they save: 6 hosts x 14-15 rails of 10-91 Mbit/s went 1.3-1.35x faster, and no shape
+# of examples/held-out lost (README, *A rail must pay for its CPU*). NEZHA_RAIL_CPU_US's
+# default (config.py) is the one figure
 RAIL_CPU_S = Config.rail_cpu_us * 1e-6
 EXCH_MIN_BYTES = 128 << 10
 REF_SIZE = 16 << 20
@@ -146,7 +150,6 @@ def _cost_split(nbytes: int, a: tuple, b: tuple, elem: int, overhead: float) -> 
     usable = [r for r in range(n) if b[r] is not None]
     if nbytes <= 0:
         return tuple(out)
-    order = sorted(usable, key=lambda r: (a[r], b[r], r))
 
     def finish(rs):
         # water-filling: drop rails whose start-up exceeds the common finish time
@@ -158,9 +161,25 @@ def _cost_split(nbytes: int, a: tuple, b: tuple, elem: int, overhead: float) -> 
                 return T, rs
             rs = keep
 
+    # rails are added in the order that finishes soonest (greedy: the rail whose addition
+    # gives the least finish time next), and the best of those sets, rail overhead counted,
+    # is kept. By start-up first, then per byte (the order before): a fast rail whose
+    # start-up was 0.1 ms worse than seven slow rails' came after them, and when those did
+    # not pay for their overhead it was left out too (5 hosts x 14 rails, r1 of 82 Mbit/s)
+    chosen: list = []
+    left = list(usable)
     best = None
-    for k in range(1, len(order) + 1):
-        T, rs = finish(order[:k])
+    A = B = 0.0            # sum of a/b and of 1/b over the rails that finish(chosen) keeps
+
+    def finish_with(r):    # finish(chosen + [r])'s time; a rail it would drop ranks last
+        return (nbytes + A + a[r] / b[r]) / (B + 1.0 / b[r])
+
+    while left:
+        nxt = min(left, key=lambda r: (finish_with(r), r))
+        chosen.append(nxt)
+        left.remove(nxt)
+        T, rs = finish(chosen)
+        A, B = sum(a[r] / b[r] for r in rs), sum(1.0 / b[r] for r in rs)
         cost = T + overhead * (len(rs) - 1)
         if best is None or cost < best[0] - 1e-15:
             best = (cost, T, rs)
@@ -183,17 +202,13 @@ def _cost_split(nbytes: int, a: tuple, b: tuple, elem: int, overhead: float) -> 
     return tuple(out)
 
 
-def rail_overhead(rail_cpu_s: float = RAIL_CPU_S) -> float:
-    """Seconds one more rail adds to a message on this host: RAIL_CPU_S, times the
-    runnable load per CPU this process may use when that exceeds 1. With 5 ranks on 2 cores
-    and 14 rails, seven 10 Mbit/s rails carried 3.5 % of the bytes but half the frames, and
-    leaving them out made the ring 1.6x faster (a pinned split, 208 -> 333 Mbit/s); on a
-    host of its own a rank pays the CPU time alone."""
-    try:
-        load, ncpu = os.getloadavg()[0], len(os.sched_getaffinity(0))
-    except (OSError, AttributeError):
-        return rail_cpu_s
-    return rail_cpu_s * max(1.0, load / max(1, ncpu))
+def rail_overhead(rail_cpu_s: float = RAIL_CPU_S, stretch: float = 1.0) -> float:
+    """Seconds one more rail adds to a message on this host: RAIL_CPU_S, times how much
+    longer this rank's CPU work takes than its CPU time (``cpuload.RunQueueStretch``). With
+    5 ranks on 2 cores and 14 rails, seven 10 Mbit/s rails carried 3.5 % of the bytes but
+    half the frames, and leaving them out made the ring 1.6x faster (a pinned split, 208 ->
+    333 Mbit/s); on a host of its own a rank pays the CPU time alone."""
+    return rail_cpu_s * max(1.0, stretch)
 
 
 def _usable(x) -> bool:
@@ -727,6 +742,7 @@ class Balancer:
         self.est = [RailEstimator() for _ in range(nrails)]
         self.rs = RailState(nrails)
         self.rs.overhead = rail_cpu_s
+        self.stretch = RunQueueStretch()
         self.ops_since_exchange = 0
         self.pending_s = 0.0     # what the ops since the last exchange should have taken
 
@@ -742,7 +758,7 @@ class Balancer:
         """This rank's [a, b, samples, last, rise, fall] per rail (see RailEstimator), its
         rail overhead, the last operation's tail cost and its tail rise."""
         t = np.zeros((self.nrails, TABLE_COLUMNS), dtype=np.float64)
-        over = rail_overhead(self.rail_cpu_s)
+        over = rail_overhead(self.rail_cpu_s, self.stretch.sample())
         for r, e in enumerate(self.est):
             t[r] = (e.fresh_a(), e.b, len(e.b_window), e.last,
                     e.rise, e.fall, over, e.tail, e.tail_rise)

@@ -39,7 +39,7 @@ NEZHA_PIPE_BLOCK            int      2097152         ring pipeline block bytes (
 NEZHA_DIRECT_MAX            int      262144          nezha, up to 8 ranks: one-round allreduce
                                                      while size x (world - 1) <= this (256 KiB;
                                                      collectives.use_direct); 0 = always the ring
-NEZHA_RAIL_CPU_US           float    150             CPU us one more rail costs a message (balance.py)
+NEZHA_RAIL_CPU_US           float    300             CPU us one more rail costs a message (balance.py)
 NEZHA_WATCHDOG_MS           float    20              least stall before the watchdog checks a rail
 NEZHA_CHECK_TIMEOUT_MS      float    100             wait for the peer's "bytes arrive?" answer
 NEZHA_HEARTBEAT_MS          float    250             idle time after which a HEARTBEAT is sent
@@ -190,7 +190,7 @@ class Config:
     staging_limit: int = 1 << 30
     pipe_block: int = 2 << 20
     direct_max: int = 256 << 10       # collectives.use_direct
-    rail_cpu_us: float = 150.0        # CPU per rail per message (balance.RAIL_CPU_S, measured)
+    rail_cpu_us: float = 300.0        # CPU per rail per message (balance.RAIL_CPU_S, measured)
     watchdog_ms: float = 20.0
     check_timeout_ms: float = 100.0
     heartbeat_ms: float = 250.0
