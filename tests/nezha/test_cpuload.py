@@ -23,11 +23,11 @@ def _threads(root, **stats):
 
 def test_the_stretch_is_cpu_plus_wait_over_cpu_of_every_thread(tmp_path):
     _threads(tmp_path, t1=(60_000_000, 90_000_000), t2=(40_000_000, 60_000_000))
-    assert RunQueueStretch(str(tmp_path)).sample() == 2.5
+    assert RunQueueStretch(str(tmp_path), min_interval_s=0).sample() == 2.5
 
 
 def test_only_the_time_since_the_last_figure_counts_and_threads_come_and_go(tmp_path):
-    s = RunQueueStretch(str(tmp_path))
+    s = RunQueueStretch(str(tmp_path), min_interval_s=0)
     _threads(tmp_path, t1=(100_000_000, 300_000_000))
     assert s.sample() == 4.0
     # t1 ended; t2 is new and has run 50 ms without waiting: the host is no longer loaded
@@ -36,7 +36,7 @@ def test_only_the_time_since_the_last_figure_counts_and_threads_come_and_go(tmp_
 
 
 def test_too_little_cpu_time_keeps_the_last_figure(tmp_path):
-    s = RunQueueStretch(str(tmp_path))
+    s = RunQueueStretch(str(tmp_path), min_interval_s=0)
     _threads(tmp_path, t1=(MIN_RUN_NS, MIN_RUN_NS))
     assert s.sample() == 2.0
     # an idle moment: 1 ms of CPU that waited 9 is noise, not a figure...
@@ -47,8 +47,16 @@ def test_too_little_cpu_time_keeps_the_last_figure(tmp_path):
     assert s.sample() == (MIN_RUN_NS + 1_000_000 + 9_000_000) / (MIN_RUN_NS + 1_000_000)
 
 
+def test_the_threads_are_read_at_most_once_per_interval(tmp_path):
+    s = RunQueueStretch(str(tmp_path), min_interval_s=60)
+    _threads(tmp_path, t1=(100_000_000, 150_000_000))
+    assert s.sample() == 2.5
+    _threads(tmp_path, t1=(200_000_000, 150_000_000))
+    assert s.sample() == 2.5        # not read again within the minute
+
+
 def test_without_the_kernel_counters_the_stretch_is_one(tmp_path):
-    assert RunQueueStretch(str(tmp_path / "absent")).sample() == 1.0
+    assert RunQueueStretch(str(tmp_path / "absent"), min_interval_s=0).sample() == 1.0
 
 
 @pytest.mark.timing            # a third process on that CPU (the suite's machine is shared) adds to it
