@@ -105,7 +105,8 @@ WORTH_SHARE = 0.5      # a rail's worth is remembered only from at least this x 
 STEP_START = 0.5       # a table moves a rail's cost in use half way towards it at first,
 STEP_MAX = 1.0         # ...all the way while the rail keeps moving in one direction,
 STEP_MIN = 0.0625      # ...and 1/16 of the way once it turned back four times
-PROBE_AFTER = 3        # tables without news of a rail before it is given a probing share...
+PROBE_AFTER = 3        # tables without news of a rail before it is given a probing share
+PROBE_AFTER_MAX = 12   # (doubled by every probe that leaves it out again, up to this)...
 PROBE_RATIO = 20.0     # ...as if it cost this many times the best rail per byte,
 PROBE_MEASURES = 2     # ...and its first this many measurements replace its cost whole
 HYSTERESIS = 0.02      # a move must save this much of an operation's time (_saving)
@@ -389,6 +390,11 @@ class RailState:
         # 150 Mbit/s rail probed at 1/20 of 59 Mbit/s kept 2 % of the message while three
         # rails of 12-18 Mbit/s carried 60 % (0.27 of the optimum, half the single rail)
         self.probed = [0] * nrails        # measurements still to take whole (PROBE_MEASURES)
+        # per rail: silent tables before its next probe. Doubled by each probe, back to
+        # PROBE_AFTER once the split uses the rail again: three rails of 12-16 Mbit/s next to
+        # one of 439 (4 hosts, 64 MiB) were probed every fourth operation at 1/20 of the
+        # best, more than they carry, and each probe cost that operation 20 %
+        self.probe_after = [PROBE_AFTER] * nrails
         self.shift = [0] * nrails         # per rail: the last table's sign of change (_shifts)
         self.worth = [0.0] * nrails       # per rail: its cost before it last slowed (_shifts)
         self.before = [0.0] * nrails      # per rail: its cost in use when it began to look slower
@@ -408,6 +414,7 @@ class RailState:
         self.worth = [0.0] * self.nrails
         self.before = [0.0] * self.nrails
         self.probed = [0] * self.nrails
+        self.probe_after = [PROBE_AFTER] * self.nrails
         self.reason = reason
         return [("state", {"state": COLD, "reason": reason})] if changed else []
 
@@ -421,6 +428,7 @@ class RailState:
         if live == self.live:
             return []
         self.live = live
+        self.probe_after = [PROBE_AFTER] * self.nrails    # a rail set changed: look again
         if self.state == HOT and all(_usable(self.used_b[r]) for r in live):
             self.reason = "rail set changed"
             self.patience = MIN_SAMPLES
@@ -444,6 +452,8 @@ class RailState:
         usable = [r for r in live if counts[r] >= MIN_SAMPLES and b[r] > 0]
         for r in live:
             self.silent[r] = 0 if r in usable else self.silent[r] + 1
+            if r in usable and not self.probed[r]:
+                self.probe_after[r] = PROBE_AFTER          # carried by the split, not a probe
         self.b = [y if y > 0 else x for x, y in zip(self.b, b)]
         if self.state == COLD:
             enough = len(usable) == len(live) or (
@@ -625,7 +635,8 @@ class RailState:
         rate; a small share pays a thread wake-up), so the split is found by a damped
         iteration (``_steps``). A rail without news for PROBE_AFTER tables is assumed no
         worse than PROBE_RATIO x the best rail, so it gets a small share and is measured
-        again (the next table puts it back if it really is bad)."""
+        again (the next table puts it back if it really is bad); a rail that each probe
+        leaves out again waits twice as long for the next (``probe_after``)."""
         live, jumps = self.live, jumps or {}
         step, trend, turned = self._steps(b, news, jumps)
         sa = [(x + y) / 2 for x, y in zip(self.used_a, a)]   # (falls: _take_start_up_falls)
@@ -636,10 +647,11 @@ class RailState:
         best = min(sb[r] for r in live)
         probing = False
         for r in live:
-            if self.silent[r] >= PROBE_AFTER and sb[r] > PROBE_RATIO * best:
+            if self.silent[r] >= self.probe_after[r] and sb[r] > PROBE_RATIO * best:
                 sb[r] = PROBE_RATIO * best
                 self.silent[r] = 0
                 self.probed[r], probing = PROBE_MEASURES, True
+                self.probe_after[r] = min(PROBE_AFTER_MAX, 2 * self.probe_after[r])
         self._probing_start_up(sa)
         old = self.shares(REF_SIZE)
         new = self._model_shares(REF_SIZE, sa, sb)

@@ -489,6 +489,41 @@ def test_a_rail_left_out_keeps_its_cost_and_is_probed_after_three_silent_tables(
     assert any(r == 2 for r, _, n in bal.split(16 << 20, 4) if n > 0)
 
 
+def test_a_rail_each_probe_leaves_out_again_is_probed_half_as_often_until_it_is_used():
+    """4 hosts, r0 439 Mbit/s and three rails of 12-16 (64 MiB, shape seed 7): probed every
+    fourth operation at 1/20 of r0, more than they carry, each probe cost its operation 20 %
+    (nezha 0.99x the single rail)."""
+    bal = Balancer(3, "nezha")
+    agreed(bal, [1e-8, 1e-8, 1e-5], a=(1e-4,) * 3)          # rail 2: 1000x slower, left out
+    t = np.full((3, 3, balance.TABLE_COLUMNS), np.nan)
+    t[:, 0, :3] = (1e-4, 1e-8, balance.WINDOW)
+    t[:, 1, :3] = (1e-4, 1e-8, balance.WINDOW)
+
+    def silent_tables_to_probe():
+        t[:, 2, :3] = (1e-4, np.nan, 0)
+        for k in range(1, 40):
+            t[:, 0, 1] *= 1.3 if k % 2 else 1 / 1.3          # keep the model moving
+            bal.agree(t)
+            if bal.rs.silent[2] == 0:                        # a probe starts the count again
+                return k
+        return None
+
+    def measured(cost):
+        t[:, 2, :3] = (1e-4, cost, 2)
+        bal.agree(t)
+
+    gaps = []
+    for _ in range(4):
+        gaps.append(silent_tables_to_probe())
+        measured(1e-5)                                       # still 1000x slower: out again
+    assert gaps == [3, 6, 12, balance.PROBE_AFTER_MAX]
+    # a probe that finds the rail fast: it is used, and left out later it is looked at soon
+    silent_tables_to_probe()
+    for _ in range(4):
+        measured(1e-8)
+    assert bal.rs.probe_after[2] == balance.PROBE_AFTER
+
+
 def test_cold_goes_hot_without_a_rail_that_never_reports_and_probes_it():
     bal = Balancer(3, "nezha")
     t = np.full((3, 3, balance.TABLE_COLUMNS), np.nan)
