@@ -121,7 +121,7 @@ SPLIT_SMALL_S = 10e-3  # ...unless that rail would take this long (Balancer.spli
 # 14 rails than with 1 (nezha.bench, stripe); on shaped rails, where a slow rail's share is
 # many small skbs, 300 x the measured stretch left out the rails whose shares cost more CPU
 # than they save: 6 hosts x 14-15 rails of 10-91 Mbit/s went 1.3-1.35x faster, and no shape
-# of examples/held-out lost (README, *A rail must pay for its CPU*). NEZHA_RAIL_CPU_US's
+# of examples/held-out lost (README, *Seeds 0-19 again*). NEZHA_RAIL_CPU_US's
 # default (config.py) is the one figure
 RAIL_CPU_S = Config.rail_cpu_us * 1e-6
 EXCH_MIN_BYTES = 128 << 10

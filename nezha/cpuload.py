@@ -6,8 +6,9 @@ time is stretched by the time the rank's threads wait for a CPU; the split must 
 stretched figure (``balance.rail_overhead``). The kernel counts both per thread
 (/proc/<pid>/task/<tid>/schedstat: nanoseconds on a CPU, nanoseconds runnable but waiting),
 so the stretch is measured for this process over the last interval, not guessed from the
-system's one-minute load average, which also counts other jobs' threads and lags a change by
-a minute (2 ranks started right after a 6-rank run were charged 4.3x by it).
+system's one-minute load average, which counts other jobs' threads and lags a change by a
+minute (5 ranks x 14 rails on 2 cores: it said 1.4 through a 20 s run whose ranks' threads
+measured 4-7 here; 2 ranks started right after that run were charged 4.3 by it).
 """
 from __future__ import annotations
 
