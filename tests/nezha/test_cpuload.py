@@ -10,6 +10,8 @@ import pytest
 from nezha import balance
 from nezha.cpuload import MIN_RUN_NS, RunQueueStretch
 
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+
 
 def _threads(root, **stats):
     """A fake /proc/<pid>/task: thread id -> (ns on a CPU, ns waiting for one)."""
@@ -83,8 +85,7 @@ def test_a_process_sharing_its_cpu_with_a_busy_one_measures_about_two():
             busy.kill()
     """)
     out = subprocess.run([sys.executable, "-c", prog], capture_output=True, text=True,
-                         timeout=30, cwd=os.path.dirname(os.path.dirname(os.path.dirname(
-                             os.path.abspath(__file__)))))
+                         timeout=30, cwd=ROOT)
     assert out.returncode == 0, out.stderr
     assert 1.6 < float(out.stdout) < 2.6
 
