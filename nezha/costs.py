@@ -25,6 +25,8 @@ Each rank measures the hop into it, so the agreement can take the slowest hop of
 """
 from __future__ import annotations
 
+import math
+
 SAMPLE_MIN_OP = 128 << 10     # operations smaller than this give no sample
 TAIL_SHARE = 0.25             # the tail: the last messages carrying this much of a rail's op
 
@@ -49,24 +51,31 @@ class ShareCosts:
             return
         t0 = min(slot.t_first.values())
         for r, nb in slot.rbytes.items():
-            start = max(t0, slot.t_prev[r])
-            if r in slot.copied:      # [start, own bytes, last own byte]
-                slot.pending[r] = [start, nb, slot.t_last.get(r, start)]
+            # a late rail none of whose own frames is in yet: its start is unknown (nan)
+            start = max(t0, slot.t_prev[r]) if not math.isnan(slot.t_prev[r]) else math.nan
+            if r in slot.copied:      # [start, own bytes, last own byte, message start]
+                slot.pending[r] = [start, nb, slot.t_last.get(r, start), t0]
             else:
                 self._add(r, nb, slot.t_last[r] - start)
 
-    def late_frame(self, slot, rail: int, nbytes: int, t_end: float) -> None:
-        """The late rail's own copy of a frame that hedge copies already delivered."""
+    def late_frame(self, slot, rail: int, nbytes: int, t_end: float, t_prev: float) -> None:
+        """The late rail's own copy of a frame that hedge copies already delivered; the rail's
+        previous frame from this peer ended at ``t_prev``. A late rail's first own frame
+        starts its time (not the message's first header: it was still sending earlier
+        messages' shares, and charging it that backlog made a 304 Mbit/s rail overloaded by a
+        third look like 92-131 Mbit/s, which swung its share between 0.11 and 0.37)."""
         p = slot.pending.get(rail)
         if p is not None:
+            if math.isnan(p[0]):
+                p[0] = max(p[3], t_prev)
             p[1] += nbytes
-            p[2] = max(p[2], t_end)
+            p[2] = t_end if math.isnan(p[2]) else max(p[2], t_end)
 
     def op_ended(self, slots) -> None:
         """The operation is over: every hedged rail's own deliveries become its sample."""
         for slot in slots:
-            for rail, (start, nb, last) in slot.pending.items():
-                if nb > 0:
+            for rail, (start, nb, last, _) in slot.pending.items():
+                if nb > 0 and not math.isnan(start):
                     self._add(rail, nb, last - start)
             slot.pending.clear()
 

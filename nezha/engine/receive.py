@@ -8,6 +8,7 @@ bounds how far a peer can run ahead (one operation).
 """
 from __future__ import annotations
 
+import math
 import time
 
 import numpy as np
@@ -113,6 +114,10 @@ class Receiving:
         """Frame ``h`` of ``slot`` is in: its header was read at ``t_hdr`` and its last byte
         at ``t_end``; the rail's previous frame from this peer ended at ``t_prev``."""
         slot.frames += 1
+        copy_of = h.aux >> wire.COPY_SHIFT
+        if not copy_of and h.rail in slot.t_first and math.isnan(slot.t_prev[h.rail]):
+            # the late rail's first own frame, after copies of its share: its start
+            slot.t_prev[h.rail] = t_prev
         if h.offset in slot.done:
             return
         if slot.got + h.length > slot.total:
@@ -123,14 +128,14 @@ class Receiving:
             c = self.events.rails[h.rail]
             c.bytes_recv += h.length
             c.chunks_recv += 1
-        copy_of = h.aux >> wire.COPY_SHIFT
         if copy_of:
             # a hedge copy: it is not the late rail's delivery (costs.py charges that rail
-            # with its own frames only)
+            # with its own frames only, from the end of its previous frame: unknown, nan,
+            # until its first own frame of this message comes in)
             r = copy_of - 1
             slot.copied[r] = slot.copied.get(r, 0) + h.length
             if r not in slot.t_first:
-                slot.t_first[r], slot.t_prev[r] = t_hdr, 0.0
+                slot.t_first[r], slot.t_prev[r] = t_hdr, math.nan
             slot.rbytes.setdefault(r, 0)
         else:
             r = h.rail
@@ -187,10 +192,11 @@ class Receiving:
             slot.busy.pop(h.offset, None)
             # queue the ACK before the op can complete (and the app close the connection)
             self._ack(conn, h, False)
+            t_prev = getattr(conn, "t_end", 0.0)
             if h.offset in slot.done:         # revoked: another copy came first
                 if not h.aux >> wire.COPY_SHIFT:
-                    self.costs.late_frame(slot, h.rail, h.length, now)
-            self._mark(slot, h, conn.t_hdr, getattr(conn, "t_end", 0.0), now)
+                    self.costs.late_frame(slot, h.rail, h.length, now, t_prev)
+            self._mark(slot, h, conn.t_hdr, t_prev, now)
             conn.t_end = now
             if self.trace:
                 self.events.emit("rx", rail=conn.rail, peer=conn.peer, op=h.op_id, step=h.step,
@@ -219,7 +225,7 @@ class Receiving:
                     slot.view[h.offset:h.offset + h.length] = buf
                     self._mark(slot, h, conn.t_hdr, t_prev, now)
                 elif not h.aux >> wire.COPY_SHIFT:
-                    self.costs.late_frame(slot, h.rail, h.length, now)
+                    self.costs.late_frame(slot, h.rail, h.length, now, t_prev)
                 self._ack(conn, h, False)
                 ack = False
             elif h.op_id <= self.done_op:    # late duplicate of a finished op
