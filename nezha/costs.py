@@ -51,32 +51,34 @@ class ShareCosts:
             return
         t0 = min(slot.t_first.values())
         for r, nb in slot.rbytes.items():
-            # a late rail none of whose own frames is in yet: its start is unknown (nan)
-            start = max(t0, slot.t_prev[r]) if not math.isnan(slot.t_prev[r]) else math.nan
-            if r in slot.copied:      # [start, own bytes, last own byte, message start]
-                slot.pending[r] = [start, nb, slot.t_last.get(r, start), t0]
+            if r in slot.copied:      # [own bytes, last own byte]; its start: op_ended
+                slot.pending[r] = [nb, slot.t_last.get(r, -math.inf)]
             else:
-                self._add(r, nb, slot.t_last[r] - start)
+                self._add(r, nb, slot.t_last[r] - max(t0, slot.t_prev[r]))
 
-    def late_frame(self, slot, rail: int, nbytes: int, t_end: float, t_prev: float) -> None:
-        """The late rail's own copy of a frame that hedge copies already delivered; the rail's
-        previous frame from this peer ended at ``t_prev``. A late rail's first own frame
-        starts its time (not the message's first header: it was still sending earlier
-        messages' shares, and charging it that backlog made a 304 Mbit/s rail overloaded by a
-        third look like 92-131 Mbit/s, which swung its share between 0.11 and 0.37)."""
+    def late_frame(self, slot, rail: int, nbytes: int, t_end: float) -> None:
+        """The late rail's own copy of a frame that hedge copies already delivered."""
         p = slot.pending.get(rail)
         if p is not None:
-            if math.isnan(p[0]):
-                p[0] = max(p[3], t_prev)
-            p[1] += nbytes
-            p[2] = t_end if math.isnan(p[2]) else max(p[2], t_end)
+            p[0] += nbytes
+            p[1] = max(p[1], t_end)
 
     def op_ended(self, slots) -> None:
-        """The operation is over: every hedged rail's own deliveries become its sample."""
+        """The operation is over: every hedged rail's own deliveries become its sample, from
+        where its own frames of the message could start, as for a rail that was not hedged:
+        max(the message's first header, the end of the rail's previous frame, which its first
+        own frame of the message set, before or after the copies completed it: engine
+        ``_mark``). Not from the first header alone: an over-loaded rail is still sending
+        earlier messages' shares, and charging it that backlog made a 304 Mbit/s rail
+        over-loaded by a third look like 92-131 Mbit/s, which swung its share between 0.11
+        and 0.37."""
         for slot in slots:
-            for rail, (start, nb, last, _) in slot.pending.items():
-                if nb > 0 and not math.isnan(start):
-                    self._add(rail, nb, last - start)
+            if not slot.pending:
+                continue
+            t0 = min(slot.t_first.values())
+            for rail, (nb, last) in slot.pending.items():
+                if nb > 0:           # some own frame came in, so its start is known
+                    self._add(rail, nb, last - max(t0, slot.t_prev[rail]))
             slot.pending.clear()
 
     def _add(self, rail: int, nbytes: int, seconds: float) -> None:

@@ -116,7 +116,8 @@ class Receiving:
         slot.frames += 1
         copy_of = h.aux >> wire.COPY_SHIFT
         if not copy_of and h.rail in slot.t_first and math.isnan(slot.t_prev[h.rail]):
-            # the late rail's first own frame, after copies of its share: its start
+            # the late rail's first own frame, after copies of its share (a repeat of one
+            # they delivered included): where its time starts (costs.op_ended)
             slot.t_prev[h.rail] = t_prev
         if h.offset in slot.done:
             return
@@ -192,11 +193,10 @@ class Receiving:
             slot.busy.pop(h.offset, None)
             # queue the ACK before the op can complete (and the app close the connection)
             self._ack(conn, h, False)
-            t_prev = getattr(conn, "t_end", 0.0)
             if h.offset in slot.done:         # revoked: another copy came first
                 if not h.aux >> wire.COPY_SHIFT:
-                    self.costs.late_frame(slot, h.rail, h.length, now, t_prev)
-            self._mark(slot, h, conn.t_hdr, t_prev, now)
+                    self.costs.late_frame(slot, h.rail, h.length, now)
+            self._mark(slot, h, conn.t_hdr, getattr(conn, "t_end", 0.0), now)
             conn.t_end = now
             if self.trace:
                 self.events.emit("rx", rail=conn.rail, peer=conn.peer, op=h.op_id, step=h.step,
@@ -223,9 +223,9 @@ class Receiving:
                     if writer is not None:
                         writer.revoke()
                     slot.view[h.offset:h.offset + h.length] = buf
-                    self._mark(slot, h, conn.t_hdr, t_prev, now)
                 elif not h.aux >> wire.COPY_SHIFT:
-                    self.costs.late_frame(slot, h.rail, h.length, now, t_prev)
+                    self.costs.late_frame(slot, h.rail, h.length, now)
+                self._mark(slot, h, conn.t_hdr, t_prev, now)   # (a repeat: its times only)
                 self._ack(conn, h, False)
                 ack = False
             elif h.op_id <= self.done_op:    # late duplicate of a finished op

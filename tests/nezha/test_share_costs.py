@@ -82,7 +82,7 @@ def test_a_hedged_rail_is_charged_with_its_own_deliveries_only():
     assert slot.complete
     assert [t[:3] for t in eng.costs.take()] == [(0, 1 << 20, pytest.approx(0.03))]
     with eng.cond:   # rail 1's own repeat of the rescued frame arrives at 10.2
-        eng.costs.late_frame(slot, 1, 1 << 20, 10.2, 10.06)
+        eng.costs.late_frame(slot, 1, 1 << 20, 10.2)
         eng.costs.op_ended([slot])
     assert [t[:3] for t in eng.costs.take()] == [(1, 2 << 20, pytest.approx(0.2))]
     assert eng.events.rails[0].bytes_recv == 2 << 20    # what came on rail 0
@@ -113,7 +113,9 @@ def test_a_late_rail_still_sending_earlier_shares_is_not_charged_that_backlog():
         eng._mark(slot, header(2 << 20, 1 << 20, total, rail=0, copy_of=1), 10.02, 10.02, 10.03)
         eng._mark(slot, header(1 << 20, 1 << 20, total, rail=1), 10.051, 10.05, 10.08)
         assert slot.complete
-        eng.costs.late_frame(slot, 1, 1 << 20, 10.11, 10.08)   # its own repeat of the copy
+        # its own repeat of the copied frame (Receiving.data_done / data_staged: both)
+        eng.costs.late_frame(slot, 1, 1 << 20, 10.11)
+        eng._mark(slot, header(2 << 20, 1 << 20, total, rail=1), 10.081, 10.08, 10.11)
         eng.costs.op_ended([slot])
     costs = {r: (nb, s) for r, nb, s, _ in eng.costs.take()}
     assert costs[1] == (2 << 20, pytest.approx(0.06))      # 10.05 -> 10.11, not 10.0 -> 10.11
@@ -124,7 +126,9 @@ def test_a_late_rail_still_sending_earlier_shares_is_not_charged_that_backlog():
         eng._mark(slot2, header(2 << 20, 1 << 20, total, rail=0, copy_of=1)._replace(op_id=8),
                   20.06, 20.06, 20.08)
         assert slot2.complete
-        eng.costs.late_frame(slot2, 1, 1 << 20, 20.13, 20.1)
+        own = header(2 << 20, 1 << 20, total, rail=1)._replace(op_id=8)
+        eng.costs.late_frame(slot2, 1, 1 << 20, 20.13)     # its previous frame ended at 20.1
+        eng._mark(slot2, own, 20.101, 20.1, 20.13)
         eng.costs.op_ended([slot2])
     costs = {r: (nb, s) for r, nb, s, _ in eng.costs.take()}
     assert costs[1] == (1 << 20, pytest.approx(0.03))      # 20.1 -> 20.13, not 20.0 -> 20.13
