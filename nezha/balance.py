@@ -132,20 +132,25 @@ TAIL_COLUMN = 7        # ...the cost of the last operation's tail (RailEstimator
 TAIL_RISE_COLUMN = 8   # ...and that tail over the earlier operations at the same split
 
 
-def cost_split(nbytes: int, a, b, elem: int = 1, overhead: float = 0.0) -> list[int]:
+def cost_split(nbytes: int, a, b, elem: int = 1, overhead: float = 0.0,
+               forced=()) -> list[int]:
     """Bytes per rail (multiples of ``elem``, summing to ``nbytes``) that make all used
     rails finish together under T_r(s) = a_r + s*b_r. Rails with b <= 0 or nan are unusable.
+    A rail is used only if it saves more than ``overhead``, except the ``forced`` ones (rails
+    being probed: a probe that the overhead leaves out measures nothing).
     Deterministic: same inputs give the same split on every machine. Memoized: every ring
     step asks again with the same agreed model, and on 14 rails the search took a sixth of
     a rank's Python time (5 ranks on loopback, py-spy --gil)."""
     bk = tuple(x if x is not None and x > 0 else None for x in b)    # nan > 0 is False
     if not any(x is not None for x in bk):
         raise ValueError("no usable rail")
-    return list(_cost_split(int(nbytes), tuple(a), bk, elem, overhead))
+    forced = tuple(sorted(r for r in forced if bk[r] is not None))
+    return list(_cost_split(int(nbytes), tuple(a), bk, elem, overhead, forced))
 
 
 @functools.lru_cache(maxsize=512)
-def _cost_split(nbytes: int, a: tuple, b: tuple, elem: int, overhead: float) -> tuple:
+def _cost_split(nbytes: int, a: tuple, b: tuple, elem: int, overhead: float,
+                forced: tuple = ()) -> tuple:
     n = len(a)
     out = [0] * n
     usable = [r for r in range(n) if b[r] is not None]
@@ -185,6 +190,8 @@ def _cost_split(nbytes: int, a: tuple, b: tuple, elem: int, overhead: float) -> 
         if best is None or cost < best[0] - 1e-15:
             best = (cost, T, rs)
     _, T, rs = best
+    if any(r not in rs for r in forced):
+        T, rs = finish(sorted(set(rs) | set(forced)))
     nelem = nbytes // elem
     if len(rs) == 1:
         out[rs[0]] = nbytes
@@ -403,6 +410,7 @@ class RailState:
         self.patience = MIN_SAMPLES       # samples a table needs to move a rail by a step
         self.moved = False        # the last table changed the model in use
         self.overhead = RAIL_CPU_S   # agreed seconds one more rail adds to a message
+        self.block = 0               # bytes of the last message split in HOT (applied_shares)
         self.reason = "start"
 
     def _enter_cold(self, reason):
@@ -726,8 +734,24 @@ class RailState:
         s = equal_split(nbytes, self.live, self.nrails)
         return [x / nbytes for x in s]
 
+    def probing(self) -> tuple:
+        """The live rails being probed: the split gives them bytes whatever their overhead."""
+        return tuple(r for r in self.live if self.probed[r])
+
+    def applied_shares(self) -> list:
+        """The shares the split gives a message of the last size it cut in HOT (rails that
+        do not pay for their overhead left out): what goes on the wire, where ``shares`` is
+        the model's split with no overhead (what the damping and the hysteresis judge)."""
+        if self.state != HOT or not self.block:
+            return self.shares()
+        aa = [self.used_a[r] if r in self.live else 0.0 for r in range(self.nrails)]
+        bb = [self.used_b[r] if r in self.live else float("nan") for r in range(self.nrails)]
+        s = cost_split(self.block, aa, bb, 1, self.overhead, self.probing())
+        return [x / self.block for x in s]
+
     def weights_fields(self):
-        return {"shares": [round(x, 4) for x in self.shares()], "state": self.state,
+        return {"shares": [round(x, 4) for x in self.applied_shares()], "state": self.state,
+                "model_shares": [round(x, 4) for x in self.shares()],
                 "overhead_us": round(self.overhead * 1e6, 1),
                 "a": self.used_a or self.a, "b": self.used_b or self.b}
 
@@ -875,7 +899,8 @@ class Balancer:
                 best = self._best(live, nbytes)
                 if not a[best] + nbytes * b[best] >= SPLIT_SMALL_S:    # (nan: not known)
                     return [(best, 0, nbytes)]
-            sizes = cost_split(nbytes, a, b, elem, self.rs.overhead)
+            self.rs.block = nbytes
+            sizes = cost_split(nbytes, a, b, elem, self.rs.overhead, self.rs.probing())
         else:
             if nbytes < COLD_SMALL and not gives_samples(op_total):
                 return [(self._best(live, nbytes), 0, nbytes)]

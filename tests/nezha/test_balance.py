@@ -817,3 +817,39 @@ def test_a_ring_of_many_hosts_measures_and_uses_every_rail_however_small_its_blo
     # the same block on 1 Gbit/s rails takes 0.13 ms on one: not worth a second rail's CPU
     fast = hot([8e-9, 8e-9])
     assert len(fast.split(block, 4, op_total=op)) == 1
+
+
+def test_forced_rails_are_split_onto_even_when_they_do_not_pay_for_their_overhead():
+    a, b = [1e-4, 1e-4, 1e-4], [1e-8, 1e-8, 2e-7]
+    assert cost_split(1 << 20, a, b, 4, overhead=2e-3)[2] == 0
+    s = cost_split(1 << 20, a, b, 4, overhead=2e-3, forced=(2,))
+    assert s[2] > 0 and sum(s) == 1 << 20
+    t = finish_times(s, a, b)
+    assert max(t) - min(t) < 1e-5                         # still finishing together
+
+
+def test_a_probed_rail_gets_bytes_where_the_overhead_leaves_it_out_and_events_show_the_real_split():
+    """Seed 32 of `testbed shapes` (2 hosts x 16 rails, 10-256 Mbit/s): the rail overhead left
+    its ten slowest rails out of every message, so their probes gave them no byte, they were
+    never measured, and the weights events showed shares of 0.01-0.03 for rails that carried
+    nothing."""
+    bal = Balancer(3, "nezha", rail_cpu_s=2e-3)
+    t = np.full((3, 3, balance.TABLE_COLUMNS), np.nan)
+    t[:, 0, :3] = (1e-4, 1e-8, 5)
+    t[:, 1, :3] = (1e-4, 1e-8, 5)
+    t[:, 2, :3] = (1e-4, np.nan, 0)       # never measured: HOT probes it
+    for _ in range(3):
+        bal.agree(t)
+    assert bal.rs.state == "hot" and bal.rs.probed[2]
+    on = {r: n for r, _, n in bal.split(1 << 20, 4)}
+    assert on.get(2, 0) > 0                                # the probe is a measurement
+    assert bal.rs.weights_fields()["shares"][2] == pytest.approx(on[2] / (1 << 20), abs=1e-4)
+    t[:, 2, :3] = (1e-4, 20e-8, 2)                         # measured: 1/20 of the others
+    for _ in range(balance.PROBE_MEASURES):
+        t[:, 0, 1] *= 1.01
+        bal.agree(t)
+    assert not bal.rs.probed[2]
+    on = {r: n for r, _, n in bal.split(1 << 20, 4)}
+    assert on.get(2, 0) == 0                               # not worth its overhead
+    fields = bal.rs.weights_fields()
+    assert fields["shares"][2] == 0 and fields["model_shares"][2] > 0
