@@ -41,6 +41,7 @@ class Engine(Receiving, Sending, Agreement, Failover, Hedging):
         self.sends: dict[tuple, SendMsg] = {}
         self.error: BaseException | None = None
         self.op_seq = -1
+        self.op_rx: tuple = (time.monotonic(), {})   # begin_op: (time, conn key -> (conn, rx_all))
         self.posted_op = -1
         self.done_op = -1
         self.closing = False
@@ -88,6 +89,9 @@ class Engine(Receiving, Sending, Agreement, Failover, Hedging):
             if self.error is not None:
                 raise self.error
             self.op_seq += 1
+            # what had reached us on each connection (costs.op_ended: a rail whose shares
+            # were all carried by copies is charged what came in on it since)
+            self.op_rx = (time.monotonic(), {k: (c, c.rx_all) for k, c in self.conns.items()})
             return self.op_seq
 
     def end_op(self, op_id):
@@ -98,7 +102,9 @@ class Engine(Receiving, Sending, Agreement, Failover, Hedging):
             for k in ended:
                 for conn in list(self.slots[k].busy.values()):
                     conn.revoke()
-            self.costs.op_ended([self.slots[k] for k in ended])
+            t_begin, rx0 = self.op_rx
+            self.costs.op_ended([self.slots[k] for k in ended], self._delivered_since(rx0),
+                                time.monotonic() - t_begin)
             for k in ended:
                 del self.slots[k]
             for k in [k for k in self.sends if k[0] <= op_id]:
@@ -112,6 +118,18 @@ class Engine(Receiving, Sending, Agreement, Failover, Hedging):
                 for _, buf, *_ in self.staged.pop(k):
                     self.staged_bytes -= len(buf)
             self.done_op = op_id
+
+    def _delivered_since(self, rx0: dict):
+        """(peer, rail) -> bytes that reached us on that connection since ``rx0`` was taken
+        (read, or waiting in the kernel's queue: a reader short of CPU is not a slow rail);
+        None if it is not the same connection (re-dialled meanwhile: nothing to compare)."""
+        def delivered(peer: int, rail: int) -> int | None:
+            c = self.conns.get((peer, rail))
+            then = rx0.get((peer, rail))
+            if c is None or then is None or then[0] is not c:
+                return None
+            return max(0, c.arrived() - then[1])
+        return delivered
 
     # ------------------------------------------------------------------ waiting
     def wait(self, pred, what: str, peers=(), deadline=None):

@@ -853,3 +853,18 @@ def test_a_probed_rail_gets_bytes_where_the_overhead_leaves_it_out_and_events_sh
     assert on.get(2, 0) == 0                               # not worth its overhead
     fields = bal.rs.weights_fields()
     assert fields["shares"][2] == 0 and fields["model_shares"][2] > 0
+
+
+def test_a_rail_that_falls_below_the_probing_class_is_probed_after_one_silent_table():
+    """A 30 % loss burst of 2 s (4 hosts x 2 rails of 200 Mbit/s): the lossy rail's last
+    operation charged it 0.2 Mbit/s, the split left it out, and its probe came three tables
+    of one-rail operations later (3.4 s after the burst). It now comes after one table."""
+    bal = hot([1e-8, 1e-8])
+    one_op(bal, [[1e-8, 4e-7]] * 3)                          # slowed 40x: a jump
+    assert bal.rs.used_b[1] == pytest.approx(4e-7) and not bal.rs.probed[1]
+    t = np.full((3, 2, balance.TABLE_COLUMNS), np.nan)
+    t[:, 0, :3] = (1e-4, 1e-8, balance.WINDOW)
+    t[:, 1, :3] = (1e-4, np.nan, 0)                          # left out: no news of it
+    bal.agree(t)
+    assert bal.rs.probed[1] and 0 < bal.rs.shares()[1] < 0.1
+    assert bal.rs.probe_after[1] == 2                        # and then less often

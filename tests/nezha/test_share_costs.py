@@ -144,6 +144,10 @@ class FakeConn:
         self.busy_since = 0.0
         self.queued = []
         self.revoked = 0
+        self.rx_all = 0           # bytes that came in on it (the engine's op_rx, costs.op_ended)
+
+    def arrived(self):
+        return self.rx_all
 
     def put(self, item):
         self.queued.append(item)
@@ -158,6 +162,44 @@ def ack(eng, conn, ch):
                                 aux=ch.length, op_id=ch.msg.key[0], step=ch.msg.key[1],
                                 chunk=ch.idx, offset=ch.offset, msg_total=ch.msg.total).pack())
     eng.on_ack(conn, h)
+
+
+def test_a_rail_whose_shares_copies_carried_is_charged_what_came_in_on_it_meanwhile():
+    """4 hosts x 4 rails of 100 Mbit/s, r3 down to 2 Mbit/s for 3 s: hedge copies carried
+    its shares in every operation before any frame of its own came in, so it gave no sample,
+    its old cost stayed in use, and every operation of those 3 s took 2.3-2.9x as long. It is
+    now charged the bytes that reached us on it (partial frames too) over the operation."""
+    eng = engine()
+    conns = {r: FakeConn(1, r) for r in range(2)}
+    for r, c in conns.items():
+        eng.conns[(1, r)] = c
+    total = 3 << 20
+    eng.op_seq = 6
+    op = eng.begin_op()
+    t_begin = time.monotonic()
+    slot = eng.post_recv(op, 0, 1, memoryview(bytearray(total)), Desc(wire.K_ALLREDUCE, 0, 0, total))
+    with eng.cond:
+        eng._mark(slot, header(0, 2 << 20, total, rail=0), 10.0, 9.0, 10.06)
+        eng._mark(slot, header(2 << 20, 1 << 20, total, rail=0, copy_of=1), 10.06, 10.06, 10.08)
+        assert slot.complete
+    conns[1].rx_all += 30_000             # part of its frame reached us meanwhile
+    time.sleep(0.05)
+    eng.end_op(op)
+    took = time.monotonic() - t_begin
+    costs = {r: (nb, s) for r, nb, s, _ in eng.costs.take()}
+    assert costs[1][0] == 30_000 and 0.05 <= costs[1][1] <= took
+    assert costs[0] == (2 << 20, pytest.approx(0.06))    # charged its own frames as before
+
+    # re-dialled during the operation: the new connection's count says nothing
+    op = eng.begin_op()
+    slot = eng.post_recv(op, 0, 1, memoryview(bytearray(total)), Desc(wire.K_ALLREDUCE, 0, 0, total))
+    with eng.cond:
+        eng._mark(slot, header(0, 2 << 20, total, rail=0)._replace(op_id=op), 20.0, 19.0, 20.06)
+        eng._mark(slot, header(2 << 20, 1 << 20, total, rail=0, copy_of=1)._replace(op_id=op),
+                  20.06, 20.06, 20.08)
+    eng.conns[(1, 1)] = FakeConn(1, 1)
+    eng.end_op(op)
+    assert [r for r, *_ in eng.costs.take()] == [0]
 
 
 def test_a_late_share_is_copied_to_a_finished_rail_once_and_its_own_copy_stays_outstanding():
