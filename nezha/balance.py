@@ -109,6 +109,11 @@ PROBE_AFTER = 3        # tables without news of a rail before it is given a prob
 PROBE_AFTER_MAX = 12   # (doubled by every probe that leaves it out again, up to this)...
 PROBE_RATIO = 20.0     # ...as if it cost this many times the best rail per byte,
 PROBE_MEASURES = 2     # ...and its first this many measurements replace its cost whole
+PROBE_RATIO_MAX = 100.0  # a rail its last two probes found slower than PROBE_RATIO is probed
+                       # at the faster of those costs, up to this many times the best (a
+                       # share too small to time measures nothing): 10 Mbit/s rails next to
+                       # 356 (35x) probed at 20x carried 1.8x what they could, and each probe
+                       # made two operations 1.6x slower (seed 20 of `testbed shapes`)
 HYSTERESIS = 0.02      # a move must save this much of an operation's time (_saving)
 COLD_SMALL = 64 << 10
 MIN_SPLIT = 32 << 10   # HOT: a message below this rides one rail...
@@ -402,6 +407,7 @@ class RailState:
         # one of 439 (4 hosts, 64 MiB) were probed every fourth operation at 1/20 of the
         # best, more than they carry, and each probe cost that operation 20 %
         self.probe_after = [PROBE_AFTER] * nrails
+        self.probe_found: list[list] = [[] for _ in range(nrails)]   # the last probes' costs
         self.shift = [0] * nrails         # per rail: the last table's sign of change (_shifts)
         self.worth = [0.0] * nrails       # per rail: its cost before it last slowed (_shifts)
         self.before = [0.0] * nrails      # per rail: its cost in use when it began to look slower
@@ -423,6 +429,7 @@ class RailState:
         self.before = [0.0] * self.nrails
         self.probed = [0] * self.nrails
         self.probe_after = [PROBE_AFTER] * self.nrails
+        self.probe_found = [[] for _ in range(self.nrails)]
         self.reason = reason
         return [("state", {"state": COLD, "reason": reason})] if changed else []
 
@@ -513,7 +520,22 @@ class RailState:
             if _usable(cost):
                 out[r] = cost
                 self.probed[r] -= 1
+                if not self.probed[r]:      # what this probe found, for the next one
+                    self.probe_found[r] = (self.probe_found[r] + [cost])[-2:]
         return out
+
+    def _probe_cost(self, r: int, best: float) -> float:
+        """The cost per byte a probe of rail ``r`` assumes: PROBE_RATIO x the best rail's,
+        unless its last two probes (or the measurement it entered HOT with and a probe) both
+        found it slower; then the faster of what they found (up to PROBE_RATIO_MAX x the
+        best), so a rail that stays slow is probed at the share it carries, and one that got
+        faster shows it all the same (its share ends early). One finding is not enough: a
+        probe taken in a loss burst finds the rail 10-1000x slower for a moment."""
+        guess = PROBE_RATIO * best
+        found = self.probe_found[r]
+        if len(found) == 2 and min(found) > guess:
+            return min(min(found), PROBE_RATIO_MAX * best)
+        return guess
 
     def _shifts(self, rec: "Recent") -> dict:
         """Rails whose last operation says they changed: {rail: new cost per byte}.
@@ -649,6 +671,9 @@ class RailState:
                        for r in range(self.nrails)]
         self.probed = [PROBE_MEASURES if r in self.live and r not in news else 0
                        for r in range(self.nrails)]
+        # a rail measured now counts as found by a probe (``_probe_cost``): COLD's equal
+        # shares are large, and a rail they found slow need not be overloaded twice
+        self.probe_found = [[b[r]] if r in news else [] for r in range(self.nrails)]
         self._probing_start_up(self.used_a)
         self.moved = True
         self.reason = "estimates for every rail"
@@ -677,7 +702,7 @@ class RailState:
         for r in live:
             if r not in jumps and self.silent[r] >= self.probe_after[r] \
                     and sb[r] > PROBE_RATIO * best:     # (a jump is news of it already)
-                sb[r] = PROBE_RATIO * best
+                sb[r] = min(sb[r], self._probe_cost(r, best))
                 self.silent[r] = 0
                 self.probed[r], probing = PROBE_MEASURES, True
                 self.probe_after[r] = min(PROBE_AFTER_MAX, 2 * self.probe_after[r])

@@ -564,6 +564,47 @@ def test_a_rail_each_probe_leaves_out_again_is_probed_half_as_often_until_it_is_
     assert bal.rs.probe_after[2] == balance.PROBE_AFTER
 
 
+def test_a_rail_two_probes_found_slow_is_probed_at_what_they_found():
+    """3 hosts, 356 / 275 / 122 / 24 Mbit/s and two rails of 10 (seed 20 of `testbed
+    shapes`): the 10 Mbit/s rails, 35x slower than the best, probed as if 20x, carried 1.8x
+    what they could, and each probe made two operations 1.6x slower. Once two findings (the
+    measurement a rail entered HOT with counts as one) say it is slower than that, the next
+    probes assume the faster of the last two (the share it carries), never beyond 100x the
+    best (a share too small to time). One finding alone may be a loss burst's moment."""
+    best = 1e-8
+    for entry, found, want in ((1000 * best, [35 * best], 35 * best),
+                               (1000 * best, [35 * best, 40 * best], 35 * best),
+                               (1000 * best, [1000 * best, 2000 * best], 100 * best),
+                               (None, [35 * best], balance.PROBE_RATIO * best)):
+        bal = Balancer(3, "nezha")
+        t = np.full((3, 3, balance.TABLE_COLUMNS), np.nan)
+        t[:, 0, :3] = (1e-4, best, balance.WINDOW)
+        t[:, 1, :3] = (1e-4, best, balance.WINDOW)
+        t[:, 2, :3] = (1e-4, entry, 5) if entry else (1e-4, np.nan, 0)
+        while bal.rs.state != "hot":          # never reporting: HOT after PROBE_AFTER tables
+            bal.agree(t)
+        probes = [bal.rs.used_b[2]] if bal.rs.probed[2] else []
+
+        def next_probe():
+            t[:, 2, :3] = (1e-4, np.nan, 0)
+            for k in range(40):
+                t[:, 0, 1] = best * (1.01 if k % 2 else 1.0)     # keep the model moving
+                bal.agree(t)
+                if bal.rs.probed[2]:
+                    return bal.rs.used_b[2]
+            raise AssertionError("no probe")
+
+        for cost in found:
+            if len(probes) < len(found):
+                probes.append(next_probe())
+            for _ in range(balance.PROBE_MEASURES):            # the probe's measurements
+                t[:, 2, :3] = (1e-4, cost, 2)
+                bal.agree(t)
+            assert not bal.rs.probed[2]
+        assert probes[0] == pytest.approx(balance.PROBE_RATIO * best, rel=0.02)
+        assert next_probe() == pytest.approx(want, rel=0.02), (entry, found)
+
+
 def test_cold_goes_hot_without_a_rail_that_never_reports_and_probes_it():
     bal = Balancer(3, "nezha")
     t = np.full((3, 3, balance.TABLE_COLUMNS), np.nan)
