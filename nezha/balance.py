@@ -408,6 +408,9 @@ class RailState:
         # best, more than they carry, and each probe cost that operation 20 %
         self.probe_after = [PROBE_AFTER] * nrails
         self.probe_found: list[list] = [[] for _ in range(nrails)]   # the last probes' costs
+        # per rail: the split (not a probe) has carried it since HOT began: such a rail can be
+        # fast, and what made it slow (a loss burst) may pass at any moment (_probe_cost)
+        self.carried = [False] * nrails
         self.shift = [0] * nrails         # per rail: the last table's sign of change (_shifts)
         self.worth = [0.0] * nrails       # per rail: its cost before it last slowed (_shifts)
         self.before = [0.0] * nrails      # per rail: its cost in use when it began to look slower
@@ -430,6 +433,7 @@ class RailState:
         self.probed = [0] * self.nrails
         self.probe_after = [PROBE_AFTER] * self.nrails
         self.probe_found = [[] for _ in range(self.nrails)]
+        self.carried = [False] * self.nrails
         self.reason = reason
         return [("state", {"state": COLD, "reason": reason})] if changed else []
 
@@ -469,6 +473,7 @@ class RailState:
             self.silent[r] = 0 if r in usable else self.silent[r] + 1
             if r in usable and not self.probed[r]:
                 self.probe_after[r] = PROBE_AFTER          # carried by the split, not a probe
+                self.carried[r] = self.carried[r] or self.state == HOT
         self.b = [y if y > 0 else x for x, y in zip(self.b, b)]
         if self.state == COLD:
             enough = len(usable) == len(live) or (
@@ -527,13 +532,16 @@ class RailState:
     def _probe_cost(self, r: int, best: float) -> float:
         """The cost per byte a probe of rail ``r`` assumes: PROBE_RATIO x the best rail's,
         unless its last two probes (or the measurement it entered HOT with and a probe) both
-        found it slower; then the faster of what they found (up to PROBE_RATIO_MAX x the
-        best), so a rail that stays slow is probed at the share it carries, and one that got
-        faster shows it all the same (its share ends early). One finding is not enough: a
-        probe taken in a loss burst finds the rail 10-1000x slower for a moment."""
+        found it slower and the split has never carried it since HOT began; then the faster
+        of what they found (up to PROBE_RATIO_MAX x the best), so a rail that has only ever
+        been slow is probed at the share it carries, and one that got faster shows it all the
+        same (its share ends early). A rail the split carried before it fell keeps the
+        generous guess: probes taken in a 2 s loss burst of 30 % found it 10-1000x slower,
+        and a probe at that share was too small to show its return before the run ended
+        (2 hosts x 3 rails). One finding is never enough."""
         guess = PROBE_RATIO * best
         found = self.probe_found[r]
-        if len(found) == 2 and min(found) > guess:
+        if not self.carried[r] and len(found) == 2 and min(found) > guess:
             return min(min(found), PROBE_RATIO_MAX * best)
         return guess
 

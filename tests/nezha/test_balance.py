@@ -605,6 +605,43 @@ def test_a_rail_two_probes_found_slow_is_probed_at_what_they_found():
         assert next_probe() == pytest.approx(want, rel=0.02), (entry, found)
 
 
+def test_a_rail_the_split_carried_before_it_fell_is_probed_at_the_generous_guess():
+    """2 hosts x 3 rails, a 30 % loss burst of 2 s on r1: on short operations two probes
+    both land in the burst and find the rail 10-1000x slower. Probed at that, its share was
+    too small to show its return before the run ended. A rail the split has carried since
+    HOT began can be fast: its probes keep assuming PROBE_RATIO x the best."""
+    best = 1e-8
+    bal = Balancer(3, "nezha")
+    t = np.full((3, 3, balance.TABLE_COLUMNS), np.nan)
+    t[:, :, :3] = (1e-4, best, balance.WINDOW)
+    bal.agree(t)
+    for _ in range(3):                          # HOT, every rail carried by the split
+        bal.agree(t)
+    assert bal.rs.state == "hot" and bal.rs.shares(16 << 20)[2] > 0.2
+    t[:, 2, 1] = 1000 * best                    # r2 falls (the burst)
+    for _ in range(40):
+        bal.agree(t)
+        if bal.rs.used_b[2] > balance.PROBE_RATIO * best:
+            break
+    else:
+        raise AssertionError("r2 never fell below the probing class")
+    for cost in (1000 * best, 2000 * best, None):
+        t[:, 2, :3] = (1e-4, np.nan, 0)
+        for k in range(40):
+            t[:, 0, 1] = best * (1.01 if k % 2 else 1.0)         # keep the model moving
+            bal.agree(t)
+            if bal.rs.probed[2]:
+                break
+        else:
+            raise AssertionError("no probe")
+        assert bal.rs.used_b[2] == pytest.approx(balance.PROBE_RATIO * best, rel=0.02)
+        if cost is None:
+            break
+        for _ in range(balance.PROBE_MEASURES):                 # what the probe found
+            t[:, 2, :3] = (1e-4, cost, 2)
+            bal.agree(t)
+
+
 def test_cold_goes_hot_without_a_rail_that_never_reports_and_probes_it():
     bal = Balancer(3, "nezha")
     t = np.full((3, 3, balance.TABLE_COLUMNS), np.nan)
