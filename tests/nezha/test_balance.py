@@ -642,6 +642,36 @@ def test_a_rail_the_split_carried_before_it_fell_is_probed_at_the_generous_guess
             bal.agree(t)
 
 
+def test_a_probe_that_finds_the_rail_beyond_the_probing_class_ends_and_probes_again():
+    """A probe that found its rail 1800x the best (a 30 % loss burst, 2 hosts x 3 rails) or
+    60x (a rail collapsed to 2 Mbit/s next to 100) gave it a share of 0 or a crumb, which
+    never brought the probe's second measurement: the rail stayed "probed", never silent,
+    and was never probed again (its return unseen for 8 s, 1 run in 6). Such a probe ends
+    at its first measurement, and the rail is probed again after silent tables."""
+    best = 1e-8
+    for found in (60 * best, 1800 * best):
+        bal = Balancer(3, "nezha")
+        t = np.full((3, 3, balance.TABLE_COLUMNS), np.nan)
+        t[:, 0, :3] = (1e-4, best, balance.WINDOW)
+        t[:, 1, :3] = (1e-4, best, balance.WINDOW)
+        t[:, 2, :3] = (1e-4, np.nan, 0)
+        while bal.rs.state != "hot":          # never reporting: HOT after PROBE_AFTER tables
+            bal.agree(t)
+        assert bal.rs.probed[2]
+        t[:, 2, :3] = (1e-4, found, 2)        # the probe's first measurement
+        bal.agree(t)
+        assert not bal.rs.probed[2], found
+        assert bal.rs.shares(16 << 20)[2] < 0.01
+        t[:, 2, :3] = (1e-4, np.nan, 0)       # left out: no news of it
+        for k in range(4 * balance.PROBE_AFTER_MAX):
+            t[:, 0, 1] = best * (1.01 if k % 2 else 1.0)        # keep the model moving
+            bal.agree(t)
+            if bal.rs.probed[2]:
+                break
+        else:
+            raise AssertionError(f"never probed again after finding {found / best:.0f}x")
+
+
 def test_cold_goes_hot_without_a_rail_that_never_reports_and_probes_it():
     bal = Balancer(3, "nezha")
     t = np.full((3, 3, balance.TABLE_COLUMNS), np.nan)
