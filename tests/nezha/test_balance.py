@@ -600,6 +600,8 @@ def test_a_rail_two_probes_found_slow_is_probed_at_what_they_found():
             for _ in range(balance.PROBE_MEASURES):            # the probe's measurements
                 t[:, 2, :3] = (1e-4, cost, 2)
                 bal.agree(t)
+                if not bal.rs.probed[2]:       # (one, when it finds the rail beyond 20x)
+                    break
             assert not bal.rs.probed[2]
         assert probes[0] == pytest.approx(balance.PROBE_RATIO * best, rel=0.02)
         assert next_probe() == pytest.approx(want, rel=0.02), (entry, found)
@@ -670,6 +672,27 @@ def test_a_probe_that_finds_the_rail_beyond_the_probing_class_ends_and_probes_ag
                 break
         else:
             raise AssertionError(f"never probed again after finding {found / best:.0f}x")
+
+
+def test_a_rail_kept_at_a_crumb_beyond_the_probing_class_is_still_probed():
+    """2 hosts x 2 rails, a 30 % loss burst: r1 jumped to 170x the best and kept a crumb of
+    0.6 % whose samples said the same; counted as news, it was never silent and never
+    probed, and never came back. Beyond the probing class a crumb is no news."""
+    best = 1e-8
+    bal = Balancer(2, "nezha")
+    t = np.full((2, 2, balance.TABLE_COLUMNS), np.nan)
+    t[:, :, :3] = (1e-4, best, balance.WINDOW)
+    for _ in range(4):
+        bal.agree(t)
+    assert bal.rs.state == "hot"
+    t[:, 1, 1] = 170 * best                   # the burst: its crumb keeps saying 170x
+    for k in range(8 * balance.PROBE_AFTER_MAX):
+        t[:, 0, 1] = best * (1.01 if k % 2 else 1.0)             # keep the model moving
+        bal.agree(t)
+        if bal.rs.used_b[1] > balance.PROBE_RATIO * best and bal.rs.probed[1]:
+            break
+    else:
+        raise AssertionError("a rail at 170x carrying a crumb was never probed")
 
 
 def test_cold_goes_hot_without_a_rail_that_never_reports_and_probes_it():
