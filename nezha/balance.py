@@ -505,10 +505,9 @@ class RailState:
         that finds a rail as slow as before leaves it to the usual, growing interval (10
         Mbit/s rails next to 390 probed every third table cost each of those operations
         1.6x)."""
-        live = [r for r in self.live if _usable(self.used_b[r])]
-        if not jumps or not live:
+        was = self._best_in_use()
+        if not jumps or not _usable(was):
             return
-        was = min(self.used_b[r] for r in live)
         best = min(was, min(jumps.values()))
         for r, cost in jumps.items():
             if cost > PROBE_RATIO * best and self.used_b[r] <= PROBE_RATIO * was \

@@ -689,10 +689,11 @@ def test_a_rail_kept_at_a_crumb_beyond_the_probing_class_is_still_probed():
     for k in range(8 * balance.PROBE_AFTER_MAX):
         t[:, 0, 1] = best * (1.01 if k % 2 else 1.0)             # keep the model moving
         bal.agree(t)
-        if bal.rs.used_b[1] > balance.PROBE_RATIO * best and bal.rs.probed[1]:
+        if bal.rs.probed[1]:
             break
     else:
         raise AssertionError("a rail at 170x carrying a crumb was never probed")
+    assert bal.rs.used_b[1] == pytest.approx(balance.PROBE_RATIO * best, rel=0.02)
 
 
 def test_cold_goes_hot_without_a_rail_that_never_reports_and_probes_it():
