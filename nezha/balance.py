@@ -20,6 +20,10 @@ Estimates:
     inflates a sample; a retransmission too, and a rail that carries only large shares is
     never sampled again, so an old sample expires). Without a recent one the agreement takes
     the best rail's, or ``A_NOMINAL``; a probed rail starts up as fast as the best.
+  * slack: how early each rail was done against its messages' last rail (costs.py), agreed
+    as the least over the ranks. A rail done early gets cheaper by no more than its slack
+    and EARLY_FALL allow per table (``RailState._within_slack``): a token bucket that
+    refilled while it waited makes its estimate several times too cheap.
 
 Agreement (why all ranks split identically): every rank's local table per rail (a, b, the
 sample count, and what its last operation cost: ``last``, ``rise``, ``fall``, see
@@ -114,6 +118,12 @@ PROBE_RATIO_MAX = 100.0  # a rail its last two probes found slower than PROBE_RA
                        # share too small to time measures nothing): 10 Mbit/s rails next to
                        # 356 (35x) probed at 20x carried 1.8x what they could, and each probe
                        # made two operations 1.6x slower (seed 20 of `testbed shapes`)
+EARLY_FALL = 0.8       # a rail done before the pace-setter moves at most this much cheaper per
+                       # table by its estimate (_within_slack; jumps and probes have their own)
+HOP_RISE_SAMPLES = 3   # one hop's rise counts from this many operations at a split (_slower_hops)
+HOLD = 2.0             # a rail the split uses is charged overhead / HOLD (cost_split): the
+                       # stretch moves 2x between tables when 12 ranks share 2 cores (1.0 ->
+                       # 2.1 ms), and a 30 Mbit/s rail next to 90 went in and out with it
 HYSTERESIS = 0.02      # a move must save this much of an operation's time (_saving)
 COLD_SMALL = 64 << 10
 MIN_SPLIT = 32 << 10   # HOT: a message below this rides one rail...
@@ -131,18 +141,20 @@ SPLIT_SMALL_S = 10e-3  # ...unless that rail would take this long (Balancer.spli
 RAIL_CPU_S = Config.rail_cpu_us * 1e-6
 EXCH_MIN_BYTES = 128 << 10
 REF_SIZE = 16 << 20
-TABLE_COLUMNS = 9      # a rank's table per rail: a, b, samples, last, rise, fall (RailEstimator),
+TABLE_COLUMNS = 10     # a rank's table per rail: a, b, samples, last, rise, fall (RailEstimator),
 OVERHEAD_COLUMN = 6    # ...the rank's rail overhead (the same in every row),
-TAIL_COLUMN = 7        # ...the cost of the last operation's tail (RailEstimator.tail)
-TAIL_RISE_COLUMN = 8   # ...and that tail over the earlier operations at the same split
+TAIL_COLUMN = 7        # ...the cost of the last operation's tail (RailEstimator.tail),
+TAIL_RISE_COLUMN = 8   # ...that tail over the earlier operations at the same split
+SLACK_COLUMN = 9       # ...and the rail's slack over the window (RailEstimator.slack)
 
 
 def cost_split(nbytes: int, a, b, elem: int = 1, overhead: float = 0.0,
-               forced=()) -> list[int]:
+               forced=(), held=()) -> list[int]:
     """Bytes per rail (multiples of ``elem``, summing to ``nbytes``) that make all used
     rails finish together under T_r(s) = a_r + s*b_r. Rails with b <= 0 or nan are unusable.
     A rail is used only if it saves more than ``overhead``, except the ``forced`` ones (rails
-    being probed: a probe that the overhead leaves out measures nothing).
+    being probed: a probe that the overhead leaves out measures nothing); a ``held`` rail
+    (one the split already uses) stays while it saves more than overhead / HOLD.
     Deterministic: same inputs give the same split on every machine. Memoized: every ring
     step asks again with the same agreed model, and on 14 rails the search took a sixth of
     a rank's Python time (5 ranks on loopback, py-spy --gil)."""
@@ -150,12 +162,13 @@ def cost_split(nbytes: int, a, b, elem: int = 1, overhead: float = 0.0,
     if not any(x is not None for x in bk):
         raise ValueError("no usable rail")
     forced = tuple(sorted(r for r in forced if bk[r] is not None))
-    return list(_cost_split(int(nbytes), tuple(a), bk, elem, overhead, forced))
+    held = tuple(sorted(r for r in held if bk[r] is not None))
+    return list(_cost_split(int(nbytes), tuple(a), bk, elem, overhead, forced, held))
 
 
 @functools.lru_cache(maxsize=512)
 def _cost_split(nbytes: int, a: tuple, b: tuple, elem: int, overhead: float,
-                forced: tuple = ()) -> tuple:
+                forced: tuple = (), held: tuple = ()) -> tuple:
     n = len(a)
     out = [0] * n
     usable = [r for r in range(n) if b[r] is not None]
@@ -191,7 +204,8 @@ def _cost_split(nbytes: int, a: tuple, b: tuple, elem: int, overhead: float,
         left.remove(nxt)
         T, rs = finish(chosen)
         A, B = sum(a[r] / b[r] for r in rs), sum(1.0 / b[r] for r in rs)
-        cost = T + overhead * (len(rs) - 1)
+        each = [overhead / HOLD if r in held else overhead for r in rs]
+        cost = T + sum(each) - min(each)     # (one rail is free: a held one)
         if best is None or cost < best[0] - 1e-15:
             best = (cost, T, rs)
     _, T, rs = best
@@ -257,6 +271,8 @@ class RailEstimator:
     def __init__(self, window: int = WINDOW):
         self.b_window: deque = deque(maxlen=window)
         self.a_window: deque = deque(maxlen=2 * window)     # (monotonic time, seconds)
+        # per operation of b_window: (seconds done before the messages' last rail, spans)
+        self.slack_window: deque = deque(maxlen=window)
         # seconds per byte of the last operation's last messages (costs.ShareCosts._tail)
         self.tail = float("nan")
 
@@ -283,13 +299,24 @@ class RailEstimator:
         x = self.fresh_a()
         return A_NOMINAL if math.isnan(x) else x
 
-    def record_b(self, nbytes: int, seconds: float, tail: float = float("nan")):
-        """One operation's bytes on this rail, the time its shares took and the cost per byte
-        of its last ones (costs.py). No bytes in some time is a valid sample: a share the
-        rail did not deliver at all (hedge copies did) costs time all the same."""
+    def record_b(self, nbytes: int, seconds: float, tail: float = float("nan"),
+                 slack: tuple = (0.0, 0.0)):
+        """One operation's bytes on this rail, the time its shares took, the cost per byte
+        of its last ones and its slack (costs.py). No bytes in some time is a valid sample: a
+        share the rail did not deliver at all (hedge copies did) costs time all the same."""
         if nbytes >= 0 and seconds > 0 and nbytes + seconds > 0:
             self.b_window.append((nbytes, seconds))
+            self.slack_window.append(tuple(slack))
             self.tail = tail
+
+    @property
+    def slack(self) -> float:
+        """The part of its messages' spans by which this rail was done before their last rail,
+        over the window (nan if it shared none with another rail): 0 for the rail that sets
+        the pace, near 1 for one whose shares pass at once."""
+        window = tuple(self.slack_window)
+        span = sum(s for _, s in window)
+        return sum(x for x, _ in window) / span if span > 0 else float("nan")
 
     def _samples(self) -> tuple:
         """The window as it is now: one C-level copy, so that a sample the engine records
@@ -366,6 +393,7 @@ class RailEstimator:
 
     def reset(self):
         self.b_window.clear()
+        self.slack_window.clear()
         self.tail = float("nan")
 
 
@@ -381,6 +409,10 @@ class Recent(NamedTuple):
     samples: list         # per rail: the fewest samples any rank that sent on it has
     tail_hi: list         # per rail: the largest cost of the last operation's tail
     tail_rise_lo: list    # per rail: the least tail over the earlier operations at its split
+    slack_lo: list = []   # per rail: the least slack over the window (RailEstimator.slack)
+    hop_last: list = []   # per rail: each rank's last cost (nan: it did not send on the rail)
+    hop_rise: list = []   # per rail: each rank's rise (nan: as above, or too few samples:
+                          # HOP_RISE_SAMPLES)
 
 
 class RailState:
@@ -388,6 +420,7 @@ class RailState:
 
     def __init__(self, nrails: int):
         self.nrails = nrails
+        self.slack: list = []      # the last table's agreed slack per rail (_within_slack)
         self.state = COLD
         self.live: tuple = tuple(range(nrails))
         self.a = [A_NOMINAL] * nrails
@@ -412,8 +445,11 @@ class RailState:
         # fast, and what made it slow (a loss burst) may pass at any moment (_probe_cost)
         self.carried = [False] * nrails
         self.shift = [0] * nrails         # per rail: the last table's sign of change (_shifts)
+        self.slow_hops: list = [frozenset()] * nrails   # ...and the hops it found slower
         self.worth = [0.0] * nrails       # per rail: its cost before it last slowed (_shifts)
         self.before = [0.0] * nrails      # per rail: its cost in use when it began to look slower
+        self.confirmed = [False] * nrails  # per rail: a HOT table agreed with its cost in use
+        self.held: tuple = ()             # rails the applied split used at the last table
         self.backed = [False] * nrails    # per rail: the last table made it jump back faster
         self.doubted = [False] * nrails   # per rail: a jump back of it proved wrong (_shifts)
         self.patience = MIN_SAMPLES       # samples a table needs to move a rail by a step
@@ -430,6 +466,9 @@ class RailState:
         self.trend = [0] * self.nrails
         self.worth = [0.0] * self.nrails
         self.before = [0.0] * self.nrails
+        # per rail: a HOT table's estimate agreed with its cost in use (worth needs one)
+        self.confirmed = [False] * self.nrails
+        self.held = ()
         self.probed = [0] * self.nrails
         self.probe_after = [PROBE_AFTER] * self.nrails
         self.probe_found = [[] for _ in range(self.nrails)]
@@ -488,13 +527,52 @@ class RailState:
                 bool(usable) and max(self.silent[r] for r in live) >= PROBE_AFTER)
             return self._enter_hot(a, b, usable) if enough else []
         jumps = self._shifts(recent) if recent is not None else {}
+        for r in usable:
+            if self.used_b[r] / SHIFT <= b[r] <= SHIFT * self.used_b[r]:
+                self.confirmed[r] = True
         self._look_again_soon(jumps)
         jumps.update(self._measured_probes(b, usable, counts, recent))
+        if recent is not None and recent.slack_lo:
+            b = self._within_slack(b, jumps, recent.slack_lo)
         self._take_start_up_falls(a)
         news = [r for r in usable if counts[r] >= self.patience]
         if not news and not jumps:
             return []
         return self._damped_move(a, b, news, jumps)
+
+    def _within_slack(self, b, jumps: dict, slack) -> list:
+        """Bound how much cheaper a rail that was done early may become: its share may grow,
+        against the rail that set the pace (the least slack), by no more than its slack
+        lets it fill, i.e. its new cost is at least (1 - slack) x its cost in use, scaled by
+        what the pace-setter's own cost did. Where a share's time grows with its size in
+        proportion, that is exactly its estimate, so the bound does not bind. A token
+        bucket that refilled while the rail waited (htb in the testbed; NIC and cloud rate
+        limiters) passes an early rail's next share at once, and its estimate then says it
+        is 5-6x cheaper than it is: 12 hosts x 90 + 30 Mbit/s, 1 MiB, where the fast rail's
+        23-43 KB shares fit its 48 KB bucket, swung the split between 1.0 / 0.0 and
+        0.53 / 0.47 (the best: 0.75 / 0.25). EARLY_FALL bounds the step further, since the
+        slack itself is a bucket's too. Jumps are left alone: a rail back from a slowdown
+        during the operation is early by less than it got faster (its tail tells,
+        ``_way_back``), and jumps back have their own guards (``worth``, ``doubted``).
+        Returns the bounded estimates."""
+        known = [x is not None and 0.0 <= x <= 1.0 for x in slack]
+        self.slack = [round(x, 3) if k else None for x, k in zip(slack, known)]
+        live = [r for r in self.live if known[r] and _usable(self.used_b[r])]
+        if len(live) < 2:
+            return b
+        new = {r: jumps.get(r, b[r]) for r in live}
+        pace = min(live, key=lambda r: (slack[r], -(new[r] / self.used_b[r])
+                                        if _usable(new[r]) else 0.0))
+        if not _usable(new[pace]):
+            return b
+        scale = new[pace] / self.used_b[pace]
+        b = list(b)
+        for r in live:
+            # (never above its cost in use: slack cannot tell that a rail got slower)
+            floor = float(min(1.0, scale * (1.0 - slack[r])) * self.used_b[r])
+            if r not in jumps and r != pace and _usable(b[r]):
+                b[r] = max(b[r], floor, EARLY_FALL * self.used_b[r])
+        return b
 
     def _look_again_soon(self, jumps: dict) -> None:
         """A rail that just fell below the probing class (PROBE_RATIO x the best rail's cost)
@@ -598,6 +676,7 @@ class RailState:
             x, hi = self.used_b[r], rec.last_hi[r]
             if not _usable(hi):
                 self.shift[r] = 0
+                self.slow_hops[r] = frozenset()
                 continue
             slower_all = rec.last_lo[r] >= SHIFT * x or rec.rise_lo[r] >= SHIFT
             slower = hi >= SHIFT * x or rec.rise_hi[r] >= SHIFT
@@ -611,13 +690,19 @@ class RailState:
             if slower and self.backed[r]:        # (every hop slower implies the slowest is)
                 self.doubted[r] = True           # its jump back was wrong: confirm them
             self.backed[r] = False
-            if slower_all or (slower and self.shift[r] > 0):
+            hops = self._slower_hops(r, rec, x) if slower else frozenset()
+            again = hops & self.slow_hops[r] if rec.hop_last else hops
+            self.slow_hops[r] = hops
+            if slower_all or (again and self.shift[r] > 0):
                 # every hop at least this slow (the slowest may also carry a hedge's cost);
                 # a rise at the same split scales the cost in use, whatever the share's size
                 last, rise = ((rec.last_lo[r], rec.rise_lo[r]) if slower_all
-                              else (hi, rec.rise_hi[r]))
+                              else self._hops_cost(r, rec, again, hi))
                 out[r] = max(c for c in (last, x * rise, x) if _usable(c))
-                if shares[r] >= WORTH_SHARE / len(self.live):
+                # (not a cost no HOT table confirmed: COLD's first estimate of a rail whose
+                # equal share fit a token bucket's burst was 6x too cheap, and a rail sent
+                # back to it later took 0.0 of the split: 12 hosts x 90 + 30 Mbit/s, 1 MiB)
+                if shares[r] >= WORTH_SHARE / len(self.live) and self.confirmed[r]:
                     self.worth[r] = self.worth[r] or self.before[r]
                 way = 0
             elif jump is not None:
@@ -627,6 +712,30 @@ class RailState:
                 self.backed[r] = True
             self.shift[r] = way
         return out
+
+    @staticmethod
+    def _slower_hops(r: int, rec: "Recent", x: float) -> frozenset:
+        """The hops (ranks, each measuring the hop into it) whose last operation on rail
+        ``r`` cost SHIFT x ``x`` or SHIFT x their earlier ones at this split."""
+        if not rec.hop_last:
+            return frozenset({-1})        # (no per-hop columns: every table is one hop)
+        last, rise = rec.hop_last[r], rec.hop_rise[r]
+        return frozenset(int(k) for k in range(len(last))
+                         if (_usable(last[k]) and last[k] >= SHIFT * x)
+                         or (_usable(rise[k]) and rise[k] >= SHIFT))
+
+    @staticmethod
+    def _hops_cost(r: int, rec: "Recent", hops: frozenset, hi: float) -> tuple:
+        """(last cost, rise) of the hops that said twice in a row that rail ``r`` got slower:
+        the slowest of them. Not the slowest of all hops: with 12 hops and two operations at
+        a split, some hop's rise is 1.5-3x by chance (its first operation's share passed in
+        a token bucket's burst), and taken with another hop's rise in the table before it
+        jumped a 90 Mbit/s rail to 1.3x, and a 30 Mbit/s one to 2.8x their cost (12 hosts)."""
+        if not rec.hop_last or hops == {-1}:
+            return hi, rec.rise_hi[r]
+        lasts = [rec.hop_last[r][k] for k in hops if _usable(rec.hop_last[r][k])]
+        rises = [rec.hop_rise[r][k] for k in hops if _usable(rec.hop_rise[r][k])]
+        return (max(lasts) if lasts else float("nan"), max(rises) if rises else float("nan"))
 
     def _way_back(self, r: int, rec: "Recent", x: float, hi: float) -> tuple:
         """Rail ``r`` (cost in use ``x``, slowest hop's last cost ``hi``) on its way back to
@@ -741,8 +850,15 @@ class RailState:
         self._probing_start_up(sa)
         old = self.shares(REF_SIZE)
         new = self._model_shares(REF_SIZE, sa, sb)
+        # judged by where the estimates lead, not by the damped step alone: half steps each
+        # saving under HYSTERESIS left 300 + 100 Mbit/s rails at 0.77 / 0.23 where the
+        # estimates, steady for 12 tables, said 0.75 (3 hosts, 16 MiB: 1.5 % slower)
+        full = [b[r] if r in news else x for r, x in enumerate(sb)]
+        for r, cost in jumps.items():
+            full[r] = cost
+        target = self._model_shares(REF_SIZE, sa, full)
         # a probe is a measurement: it is made even where the model sees no saving in it
-        if not probing and self._saving(old, new) <= HYSTERESIS:
+        if not probing and max(self._saving(old, new), self._saving(old, target)) <= HYSTERESIS:
             return []
         self.step, self.trend = step, trend
         if jumps:
@@ -812,6 +928,14 @@ class RailState:
         s = equal_split(nbytes, self.live, self.nrails)
         return [x / nbytes for x in s]
 
+    def hold(self) -> None:
+        """Before a table changes the overhead: the rails the split uses now are held
+        (cost_split, HOLD), judged at the block size it cut last (each rank's last block;
+        they differ by an element at most, and a split that differs between ranks costs
+        balance, never correctness: frames carry their offsets)."""
+        self.held = tuple(r for r, x in enumerate(self.applied_shares()) if x > 0) \
+            if self.state == HOT and self.block else ()
+
     def probing(self) -> tuple:
         """The live rails being probed: the split gives them bytes whatever their overhead."""
         return tuple(r for r in self.live if self.probed[r])
@@ -824,14 +948,14 @@ class RailState:
             return self.shares()
         aa = [self.used_a[r] if r in self.live else 0.0 for r in range(self.nrails)]
         bb = [self.used_b[r] if r in self.live else float("nan") for r in range(self.nrails)]
-        s = cost_split(self.block, aa, bb, 1, self.overhead, self.probing())
+        s = cost_split(self.block, aa, bb, 1, self.overhead, self.probing(), self.held)
         return [x / self.block for x in s]
 
     def weights_fields(self):
         return {"shares": [round(x, 4) for x in self.applied_shares()], "state": self.state,
                 "model_shares": [round(x, 4) for x in self.shares()],
                 "overhead_us": round(self.overhead * 1e6, 1),
-                "a": self.used_a or self.a, "b": self.used_b or self.b}
+                "a": self.used_a or self.a, "b": self.used_b or self.b, "slack": self.slack}
 
     def best_rail(self) -> int:
         return min(self.live, key=lambda r: (self.a[r], r))
@@ -864,8 +988,8 @@ class Balancer:
     def record_a(self, rail, seconds):
         self.est[rail].record_a(seconds)
 
-    def record_b(self, rail, nbytes, seconds, tail=float("nan")):
-        self.est[rail].record_b(nbytes, seconds, tail)
+    def record_b(self, rail, nbytes, seconds, tail=float("nan"), slack=(0.0, 0.0)):
+        self.est[rail].record_b(nbytes, seconds, tail, slack)
 
     # ---- agreement
     def local_table(self) -> np.ndarray:
@@ -875,7 +999,7 @@ class Balancer:
         over = rail_overhead(self.rail_cpu_s, self.stretch.sample())
         for r, e in enumerate(self.est):
             t[r] = (e.fresh_a(), e.b, len(e.b_window), e.last,
-                    e.rise, e.fall, over, e.tail, e.tail_rise)
+                    e.rise, e.fall, over, e.tail, e.tail_rise, e.slack)
         return t
 
     def want_exchange(self, nbytes: int) -> bool:
@@ -900,18 +1024,22 @@ class Balancer:
         self.ops_since_exchange = 0
         self.pending_s = 0.0
         a, b, counts = [], [], []
-        recent = Recent([], [], [], [], [], counts, [], [])
+        recent = Recent([], [], [], [], [], counts, [], [], [], [], [])
         for r in range(self.nrails):
             col = tables[:, r, :]
             As = col[:, 0][~np.isnan(col[:, 0])]
             a.append(float(np.median(As)) if len(As) else float("nan"))
-            sent = col[col[:, 2] > 0]
+            sending = col[:, 2] > 0
+            sent = col[sending]
             counts.append(int(sent[:, 2].min()) if len(sent) else 0)
+            recent.hop_last.append(np.where(sending, col[:, 3], np.nan))
+            recent.hop_rise.append(np.where(col[:, 2] >= HOP_RISE_SAMPLES, col[:, 4], np.nan))
             for values, column, pick in ((b, 1, np.max), (recent.last_lo, 3, np.min),
                                          (recent.last_hi, 3, np.max), (recent.rise_lo, 4, np.min),
                                          (recent.rise_hi, 4, np.max), (recent.fall_hi, 5, np.max),
                                          (recent.tail_hi, TAIL_COLUMN, np.max),
-                                         (recent.tail_rise_lo, TAIL_RISE_COLUMN, np.min)):
+                                         (recent.tail_rise_lo, TAIL_RISE_COLUMN, np.min),
+                                         (recent.slack_lo, SLACK_COLUMN, np.min)):
                 x = sent[:, column]
                 values.append(float(pick(x)) if len(x) and not np.isnan(x).any() else float("nan"))
         # a rail never used for a small message has no start-up estimate: assume the best
@@ -921,6 +1049,7 @@ class Balancer:
         a = [fill if math.isnan(x) else x for x in a]
         over = tables[:, 0, OVERHEAD_COLUMN]
         over = over[~np.isnan(over)]
+        self.rs.hold()
         self.rs.overhead = float(np.median(over)) if len(over) else self.rail_cpu_s
         evs = self.rs.observe(a, b, counts, recent)
         if self.rs.moved:
@@ -978,7 +1107,8 @@ class Balancer:
                 if not a[best] + nbytes * b[best] >= SPLIT_SMALL_S:    # (nan: not known)
                     return [(best, 0, nbytes)]
             self.rs.block = nbytes
-            sizes = cost_split(nbytes, a, b, elem, self.rs.overhead, self.rs.probing())
+            sizes = cost_split(nbytes, a, b, elem, self.rs.overhead, self.rs.probing(),
+                               self.rs.held)
         else:
             if nbytes < COLD_SMALL and not gives_samples(op_total):
                 return [(self._best(live, nbytes), 0, nbytes)]

@@ -192,8 +192,8 @@ class Context:
         """The operation's per-rail cost samples (costs.py) go to the balancer."""
         with self._engine.cond:
             samples = self._engine.costs.take()
-        for rail, nbytes, seconds, tail in samples:
-            self.balancer.record_b(rail, nbytes, seconds, tail)
+        for rail, nbytes, seconds, tail, slack in samples:
+            self.balancer.record_b(rail, nbytes, seconds, tail, slack)
             if self._config.debug_samples:
                 self.events.emit("b_sample", rail=rail, bytes=nbytes, seconds=seconds, op=op_id)
 

@@ -22,6 +22,10 @@ and windowed by the balancer (balance.RailEstimator), each with its *tail*: the 
 rail's last messages carrying TAIL_SHARE of its bytes, what a rail that changed during the
 operation costs at its end.
 Each rank measures the hop into it, so the agreement can take the slowest hop of the ring.
+Each rail's *slack* is measured with it: how long before the message's last rail it was done,
+over the message's span. It tells the rail that set the pace (0) from one that could have
+carried more, which a token bucket's burst can make look far cheaper than it is
+(balance.RailState._within_slack).
 """
 from __future__ import annotations
 
@@ -45,12 +49,15 @@ class ShareCosts:
     def __init__(self, nrails: int):
         self.nrails = nrails
         self._msgs: dict[int, list] = {}     # per rail: (bytes, seconds) per message, in order
+        # per rail: [seconds it was done before its messages' last rail, their spans]
+        self._slack: dict[int, list] = {}
 
     def add_message(self, slot) -> None:
         """A complete receive (engine.messages.RecvSlot with its per-rail times)."""
         if not slot.rbytes:
             return
         t0 = min(slot.t_first.values())
+        self._add_slack(slot, t0)
         for r, nb in slot.rbytes.items():
             if r in slot.copied:      # [own bytes, last own byte]; its start: op_ended
                 slot.pending[r] = [nb, slot.t_last.get(r, -math.inf)]
@@ -102,20 +109,39 @@ class ShareCosts:
             if None not in got:
                 self._add(rail, max(1, sum(got)), seconds)
 
+    def _add_slack(self, slot, t0: float) -> None:
+        """How long before the message's last rail each rail was done (its *slack*), and the
+        message's span from its first header to its last byte. A message that hedge copies
+        completed tells nothing of it (its rails' ends are the copies')."""
+        if slot.copied or len(slot.rbytes) < 2:
+            return
+        end = max(slot.t_last[r] for r in slot.rbytes)
+        span = end - t0
+        if span <= 0:
+            return
+        for r in slot.rbytes:
+            acc = self._slack.setdefault(r, [0.0, 0.0])
+            acc[0] += end - slot.t_last[r]
+            acc[1] += span
+
     def _add(self, rail: int, nbytes: int, seconds: float) -> None:
         if seconds > 0:
             self._msgs.setdefault(rail, []).append((nbytes, seconds))
 
-    def take(self) -> list[tuple[int, int, float, float]]:
-        """[(rail, bytes, seconds, tail)] since the last call. ``tail`` is the seconds per
-        byte of the rail's last messages that carry TAIL_SHARE of its bytes (nan with fewer
-        than two messages): what the rail costs at the end of the operation, when it changed
-        during it."""
+    def take(self) -> list[tuple[int, int, float, float, tuple]]:
+        """[(rail, bytes, seconds, tail, slack)] since the last call. ``tail`` is the seconds
+        per byte of the rail's last messages that carry TAIL_SHARE of its bytes (nan with
+        fewer than two messages): what the rail costs at the end of the operation, when it
+        changed during it. ``slack`` is (seconds the rail was done before its messages' last
+        rail, the messages' spans), summed over the messages it shared with another rail
+        ((0, 0): none)."""
         out = []
         for r, msgs in sorted(self._msgs.items()):
             nb = sum(n for n, _ in msgs)
-            out.append((r, nb, sum(s for _, s in msgs), self._tail(msgs, nb)))
+            slack = tuple(self._slack.get(r, (0.0, 0.0)))
+            out.append((r, nb, sum(s for _, s in msgs), self._tail(msgs, nb), slack))
         self._msgs.clear()
+        self._slack.clear()
         return out
 
     @staticmethod

@@ -41,10 +41,35 @@ def test_each_rail_is_charged_from_when_its_share_could_start_to_its_last_byte()
         # rail 1: still busy with its previous share until 10.03, then done at 10.05
         eng._mark(slot, header(2 << 20, 1 << 20, total, rail=1), 10.031, 10.03, 10.05)
     assert slot.complete
-    costs = dict((r, (nb, s)) for r, nb, s, _ in eng.costs.take())
+    costs = dict((r, (nb, s)) for r, nb, s, *_ in eng.costs.take())
     assert costs[0] == (2 << 20, pytest.approx(0.04))
     assert costs[1] == (1 << 20, pytest.approx(0.02))   # not charged for its backlog
     assert eng.costs.take() == []
+
+
+def test_a_rails_slack_is_how_long_before_its_messages_last_rail_it_was_done():
+    """The slack (seconds a rail was done before its message's last rail, over the
+    messages' spans) tells the rail that set the pace (0) from one whose share could have
+    been larger, whatever its cost per byte says. A message hedge copies completed, or one
+    rail alone, tells nothing of it."""
+    eng = engine()
+    total = 2 << 20
+    for step, (end0, end1) in enumerate(((10.02, 10.01), (10.04, 10.03))):
+        slot = eng.post_recv(7, step, 1, memoryview(bytearray(total)),
+                             Desc(wire.K_ALLREDUCE, 0, 0, total))
+        with eng.cond:
+            t0 = end0 - 0.02
+            eng._mark(slot, header(0, 1 << 20, total, rail=0), t0, 0.0, end0)
+            eng._mark(slot, header(1 << 20, 1 << 20, total, rail=1), t0, 0.0, end1)
+        assert slot.complete
+    slack = {r: sl for r, _, _, _, sl in eng.costs.take()}
+    assert slack[0] == pytest.approx((0.0, 0.04))          # it set the pace
+    assert slack[1] == pytest.approx((0.02, 0.04))         # done half way through, twice
+    slot = eng.post_recv(7, 9, 1, memoryview(bytearray(1 << 20)),
+                         Desc(wire.K_ALLREDUCE, 0, 0, 1 << 20))
+    with eng.cond:
+        eng._mark(slot, header(0, 1 << 20, 1 << 20, rail=0), 11.0, 0.0, 11.01)
+    assert [sl for *_, sl in eng.costs.take()] == [(0.0, 0.0)]     # one rail: none
 
 
 def test_the_tail_is_what_a_rails_last_messages_cost():
@@ -58,7 +83,7 @@ def test_the_tail_is_what_a_rails_last_messages_cost():
         costs.add_message(SimpleNamespace(rbytes={0: 1 << 20}, t_first={0: t}, t_prev={0: 0.0},
                                           copied={}, t_last={0: t + took}, pending={}))
         t += took
-    (rail, nbytes, seconds, tail), = costs.take()
+    (rail, nbytes, seconds, tail, _), = costs.take()
     assert (rail, nbytes, seconds) == (0, 5 << 20, pytest.approx(0.14))
     assert tail == pytest.approx(0.01 / (1 << 20))      # 2 MiB: the first to reach 1.25
     costs.add_message(SimpleNamespace(rbytes={1: 1 << 20}, t_first={1: 0.0}, t_prev={1: 0.0},
@@ -117,7 +142,7 @@ def test_a_late_rail_still_sending_earlier_shares_is_not_charged_that_backlog():
         eng.costs.late_frame(slot, 1, 1 << 20, 10.11)
         eng._mark(slot, header(2 << 20, 1 << 20, total, rail=1), 10.081, 10.08, 10.11)
         eng.costs.op_ended([slot])
-    costs = {r: (nb, s) for r, nb, s, _ in eng.costs.take()}
+    costs = {r: (nb, s) for r, nb, s, *_ in eng.costs.take()}
     assert costs[1] == (2 << 20, pytest.approx(0.06))      # 10.05 -> 10.11, not 10.0 -> 10.11
 
     slot2 = eng.post_recv(8, 0, 1, memoryview(bytearray(total)), Desc(wire.K_ALLREDUCE, 0, 0, total))
@@ -130,7 +155,7 @@ def test_a_late_rail_still_sending_earlier_shares_is_not_charged_that_backlog():
         eng.costs.late_frame(slot2, 1, 1 << 20, 20.13)     # its previous frame ended at 20.1
         eng._mark(slot2, own, 20.101, 20.1, 20.13)
         eng.costs.op_ended([slot2])
-    costs = {r: (nb, s) for r, nb, s, _ in eng.costs.take()}
+    costs = {r: (nb, s) for r, nb, s, *_ in eng.costs.take()}
     assert costs[1] == (1 << 20, pytest.approx(0.03))      # 20.1 -> 20.13, not 20.0 -> 20.13
 
 
@@ -186,7 +211,7 @@ def test_a_rail_whose_shares_copies_carried_is_charged_what_came_in_on_it_meanwh
     time.sleep(0.05)
     eng.end_op(op)
     took = time.monotonic() - t_begin
-    costs = {r: (nb, s) for r, nb, s, _ in eng.costs.take()}
+    costs = {r: (nb, s) for r, nb, s, *_ in eng.costs.take()}
     assert costs[1][0] == 30_000 and 0.05 <= costs[1][1] <= took
     assert costs[0] == (2 << 20, pytest.approx(0.06))    # charged its own frames as before
 
