@@ -121,9 +121,10 @@ PROBE_RATIO_MAX = 100.0  # a rail its last two probes found slower than PROBE_RA
 EARLY_FALL = 0.8       # a rail done before the pace-setter moves at most this much cheaper per
                        # table by its estimate (_within_slack; jumps and probes have their own)
 HOP_RISE_SAMPLES = 3   # one hop's rise counts from this many operations at a split (_slower_hops)
-HOLD = 2.0             # a rail the split uses is charged overhead / HOLD (cost_split): the
-                       # stretch moves 2x between tables when 12 ranks share 2 cores (1.0 ->
-                       # 2.1 ms), and a 30 Mbit/s rail next to 90 went in and out with it
+HOLD = 2.0             # a rail that carries HOLD_SHARE of the split is charged overhead / HOLD
+HOLD_SHARE = 0.1       # (cost_split, RailState.hold): the stretch moves 2x between tables when
+                       # 12 ranks share 2 cores (1.0 -> 2.1 ms), and a 30 Mbit/s rail next to
+                       # 90 (a quarter of the bytes) went out and in with it
 HYSTERESIS = 0.02      # a move must save this much of an operation's time (_saving)
 COLD_SMALL = 64 << 10
 MIN_SPLIT = 32 << 10   # HOT: a message below this rides one rail...
@@ -929,11 +930,14 @@ class RailState:
         return [x / nbytes for x in s]
 
     def hold(self) -> None:
-        """Before a table changes the overhead: the rails the split uses now are held
-        (cost_split, HOLD), judged at the block size it cut last (each rank's last block;
-        they differ by an element at most, and a split that differs between ranks costs
-        balance, never correctness: frames carry their offsets)."""
-        self.held = tuple(r for r, x in enumerate(self.applied_shares()) if x > 0) \
+        """Before a table changes the overhead: the rails that carry HOLD_SHARE or more of
+        the split now are held (cost_split, HOLD), judged at the block size it cut last
+        (each rank's last block; they differ by an element at most, and a split that
+        differs between ranks costs balance, never correctness: frames carry their
+        offsets). Not a rail with a crumb: there the overhead is what decides, and four
+        ~10 Mbit/s rails of 6 hosts x 8 rails (3 % of the bytes each) held through a
+        stretch of 7-8 made the ring 6 % slower (seed 17 of ``testbed shapes``)."""
+        self.held = tuple(r for r, x in enumerate(self.applied_shares()) if x >= HOLD_SHARE) \
             if self.state == HOT and self.block else ()
 
     def probing(self) -> tuple:

@@ -471,28 +471,31 @@ def test_a_rail_that_saves_less_than_it_costs_the_cpu_is_left_out():
     assert sorted(r for r, _, n in bal.split(16 << 20, 4) if n) == [0, 1, 2, 3]
 
 
-def test_a_rail_in_the_split_stays_until_it_saves_less_than_half_its_overhead():
+def test_a_rail_with_a_large_share_stays_until_it_saves_less_than_half_its_overhead():
     """The overhead follows the ranks' run-queue stretch, which doubled between two tables
-    when 12 ranks shared 2 cores: a rail the split uses is charged overhead / HOLD, so it
-    leaves only when it saves less than that, and comes back only when it saves more than
-    the whole overhead (a 30 Mbit/s rail next to 90 went in and out with every table)."""
-    bs = [1e-7, 1e-7, 8e-7, 8e-7]
-    bal = hot(bs)
-
-    def table(overhead):
-        t = np.full((3, 4, balance.TABLE_COLUMNS), np.nan)
+    when 12 ranks shared 2 cores: a rail that carries a tenth of the split or more is
+    charged overhead / HOLD, so it leaves only when it saves less than that, and comes back
+    only when it saves more than the whole overhead (a 30 Mbit/s rail next to 90 went out
+    and in with every table). A rail with a crumb is not held: the overhead decides."""
+    def table(bal, bs, overhead, nbytes):
+        t = np.full((3, len(bs), balance.TABLE_COLUMNS), np.nan)
         for r, b in enumerate(bs):
             t[:, r, :3] = (1e-4, b, 5)
         t[:, :, balance.OVERHEAD_COLUMN] = overhead
         bal.agree(t)
-        return sorted(r for r, _, n in bal.split(100_000, 4) if n)
+        return sorted(r for r, _, n in bal.split(nbytes, 4) if n)
 
-    # a 100 KB block is done ~0.3 ms sooner with the slow rails than without
-    assert table(2e-4) == [0, 1, 2, 3]
-    assert table(5e-4) == [0, 1, 2, 3]          # held: 0.25 ms charged, 0.3 saved
-    assert table(7e-4) == [0, 1]                # 0.35 charged: left out
-    assert table(5e-4) == [0, 1]                # not held now: 0.5 charged
-    assert table(2e-4) == [0, 1, 2, 3]
+    bs = [1e-7, 3e-7]               # 100 KB: 10.1 ms on r0 alone, ~2.5 ms less with r1
+    bal = hot(bs)
+    assert table(bal, bs, 2e-3, 100_000) == [0, 1]
+    assert table(bal, bs, 4e-3, 100_000) == [0, 1]      # held: 2 ms charged
+    assert table(bal, bs, 6e-3, 100_000) == [0]         # 3 ms charged: left out
+    assert table(bal, bs, 4e-3, 100_000) == [0]         # not held now: 4 ms charged
+    assert table(bal, bs, 2e-3, 100_000) == [0, 1]
+    bs = [1e-7, 1e-7, 8e-7, 8e-7]   # the slow rails: ~5 % of 100 KB each, ~0.3 ms saved
+    bal = hot(bs)
+    assert table(bal, bs, 2e-4, 100_000) == [0, 1, 2, 3]
+    assert table(bal, bs, 5e-4, 100_000) == [0, 1]      # a crumb is not held
 
 
 def test_a_single_stall_or_a_uniform_slowdown_does_not_move_the_split():
