@@ -346,6 +346,9 @@ def test_one_hop_slower_twice_must_be_the_same_hop_and_counts_its_own_cost():
     evs = one_op(bal, hop(7, 2e-8), world=12)                 # hop 7 again: a slow link
     assert evs and evs[0][1]["shifted"] == [1]
     assert bal.rs.used_b[1] == pytest.approx(2e-8)
+    assert type(bal.rs.used_b[1]) is float     # (a numpy float made the next table raise)
+    bs = [[1e-8, 2.6e-8]] * 12
+    assert one_op(bal, [[1e-8, 2.6e-8]] * 12, world=12, counts=3, bs=bs)
 
 
 def test_a_hops_rise_over_one_earlier_operation_is_not_a_change():
