@@ -40,7 +40,9 @@ Exchange schedule (``want_exchange``): in COLD before every op of >= EXCH_MIN_BY
 estimates take MIN_SAMPLES such ops); in HOT once the ops since the last exchange should
 have taken EXCH_PERIOD_S at the agreed rates: before every op when ops are long (a 8 MiB
 allreduce on 2 x 200 Mbit/s: ~230 ms), every ~20 ops of 1 MiB at 1 Gbit/s; in any state at
-least every 64 (COLD) / 128 (HOT) ops. An exchange costs one small allgather (under a
+least every 64 (COLD) / 128 (HOT) ops; and after a table that moved the split, as soon
+as the ops since have filled the windows it needs (``patience``), whatever the model predicts
+(a model a token bucket flattered predicts ops far shorter than they are). An exchange costs one small allgather (under a
 millisecond on 3 hosts), so a change is seen one operation after it happens.
 
 Cold/hot state machine for the current set of live rails::
@@ -410,9 +412,9 @@ class Recent(NamedTuple):
     samples: list         # per rail: the fewest samples any rank that sent on it has
     tail_hi: list         # per rail: the largest cost of the last operation's tail
     tail_rise_lo: list    # per rail: the least tail over the earlier operations at its split
-    slack_lo: list = []   # per rail: the least slack over the window (RailEstimator.slack)
-    hop_last: list = []   # per rail: each rank's last cost (nan: it did not send on the rail)
-    hop_rise: list = []   # per rail: each rank's rise (nan: as above, or too few samples:
+    slack_lo: list        # per rail: the least slack over the window (RailEstimator.slack)
+    hop_last: list        # per rail: each rank's last cost (nan: it did not send on the rail)
+    hop_rise: list        # per rail: each rank's rise (nan: as above, or too few samples:
                           # HOP_RISE_SAMPLES)
 
 
@@ -715,7 +717,7 @@ class RailState:
         return out
 
     @staticmethod
-    def _slower_hops(r: int, rec: "Recent", x: float) -> frozenset:
+    def _slower_hops(r: int, rec: Recent, x: float) -> frozenset:
         """The hops (ranks, each measuring the hop into it) whose last operation on rail
         ``r`` cost SHIFT x ``x`` or SHIFT x their earlier ones at this split."""
         if not rec.hop_last:
@@ -726,7 +728,7 @@ class RailState:
                          or (_usable(rise[k]) and rise[k] >= SHIFT))
 
     @staticmethod
-    def _hops_cost(r: int, rec: "Recent", hops: frozenset, hi: float) -> tuple:
+    def _hops_cost(r: int, rec: Recent, hops: frozenset, hi: float) -> tuple:
         """(last cost, rise) of the hops that said twice in a row that rail ``r`` got slower:
         the slowest of them. Not the slowest of all hops: with 12 hops and two operations at
         a split, some hop's rise is 1.5-3x by chance (its first operation's share passed in

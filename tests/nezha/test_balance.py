@@ -339,7 +339,10 @@ def test_one_hop_slower_twice_must_be_the_same_hop_and_counts_its_own_cost():
     times the largest rise of any hop (a 90 Mbit/s rail jumped to 1.3x, a 30 Mbit/s one
     to 2.8x its cost that way: 12 hosts x 90 + 30, 1 MiB)."""
     bal = hot([1e-8, 1e-8])
-    hop = lambda k, x: [[1e-8, x if p == k else 1e-8] for p in range(12)]   # noqa: E731
+
+    def hop(k, x):
+        return [[1e-8, x if p == k else 1e-8] for p in range(12)]
+
     assert one_op(bal, hop(3, 1.6e-8), world=12) == []
     assert one_op(bal, hop(7, 1.6e-8), world=12) == []       # another hop: noise
     assert bal.rs.used_b[1] == pytest.approx(1e-8)
