@@ -535,7 +535,7 @@ class RailState:
                 self.confirmed[r] = True
         self._look_again_soon(jumps)
         jumps.update(self._measured_probes(b, usable, counts, recent))
-        if recent is not None and recent.slack_lo:
+        if recent is not None:
             b = self._within_slack(b, jumps, recent.slack_lo)
         self._take_start_up_falls(a)
         news = [r for r in usable if counts[r] >= self.patience]
@@ -693,20 +693,9 @@ class RailState:
             if slower and self.backed[r]:        # (every hop slower implies the slowest is)
                 self.doubted[r] = True           # its jump back was wrong: confirm them
             self.backed[r] = False
-            hops = self._slower_hops(r, rec, x) if slower else frozenset()
-            again = hops & self.slow_hops[r] if rec.hop_last else hops
-            self.slow_hops[r] = hops
-            if slower_all or (again and self.shift[r] > 0):
-                # every hop at least this slow (the slowest may also carry a hedge's cost);
-                # a rise at the same split scales the cost in use, whatever the share's size
-                last, rise = ((rec.last_lo[r], rec.rise_lo[r]) if slower_all
-                              else self._hops_cost(r, rec, again, hi))
-                out[r] = max(c for c in (last, x * rise, x) if _usable(c))
-                # (not a cost no HOT table confirmed: COLD's first estimate of a rail whose
-                # equal share fit a token bucket's burst was 6x too cheap, and a rail sent
-                # back to it later took 0.0 of the split: 12 hosts x 90 + 30 Mbit/s, 1 MiB)
-                if shares[r] >= WORTH_SHARE / len(self.live) and self.confirmed[r]:
-                    self.worth[r] = self.worth[r] or self.before[r]
+            slowed = self._slower_jump(r, rec, x, slower_all, slower, shares[r])
+            if slowed is not None:
+                out[r] = slowed
                 way = 0
             elif jump is not None:
                 out[r] = jump
@@ -716,26 +705,43 @@ class RailState:
             self.shift[r] = way
         return out
 
+    def _slower_jump(self, r: int, rec: Recent, x: float, slower_all: bool, slower: bool,
+                     share: float) -> float | None:
+        """Rail ``r``'s new cost if it jumps slower at this table (every hop slower, or the
+        same hop in this table and the one before), else None; remembers the hops that said
+        so, and what the rail was worth before it slowed."""
+        hops = self._slower_hops(r, rec, x) if slower else frozenset()
+        again = hops & self.slow_hops[r]
+        self.slow_hops[r] = hops
+        if not (slower_all or (again and self.shift[r] > 0)):
+            return None
+        # every hop at least this slow (the slowest may also carry a hedge's cost); a rise
+        # at the same split scales the cost in use, whatever the share's size
+        last, rise = ((rec.last_lo[r], rec.rise_lo[r]) if slower_all
+                      else self._hops_cost(r, rec, again))
+        # (not a cost no HOT table confirmed: COLD's first estimate of a rail whose equal
+        # share fit a token bucket's burst was 6x too cheap, and a rail sent back to it
+        # later took 0.0 of the split: 12 hosts x 90 + 30 Mbit/s, 1 MiB)
+        if share >= WORTH_SHARE / len(self.live) and self.confirmed[r]:
+            self.worth[r] = self.worth[r] or self.before[r]
+        return max(c for c in (last, x * rise, x) if _usable(c))
+
     @staticmethod
     def _slower_hops(r: int, rec: Recent, x: float) -> frozenset:
         """The hops (ranks, each measuring the hop into it) whose last operation on rail
         ``r`` cost SHIFT x ``x`` or SHIFT x their earlier ones at this split."""
-        if not rec.hop_last:
-            return frozenset({-1})        # (no per-hop columns: every table is one hop)
         last, rise = rec.hop_last[r], rec.hop_rise[r]
         return frozenset(int(k) for k in range(len(last))
                          if (_usable(last[k]) and last[k] >= SHIFT * x)
                          or (_usable(rise[k]) and rise[k] >= SHIFT))
 
     @staticmethod
-    def _hops_cost(r: int, rec: Recent, hops: frozenset, hi: float) -> tuple:
+    def _hops_cost(r: int, rec: Recent, hops: frozenset) -> tuple:
         """(last cost, rise) of the hops that said twice in a row that rail ``r`` got slower:
         the slowest of them. Not the slowest of all hops: with 12 hops and two operations at
         a split, some hop's rise is 1.5-3x by chance (its first operation's share passed in
         a token bucket's burst), and taken with another hop's rise in the table before it
         jumped a 90 Mbit/s rail to 1.3x, and a 30 Mbit/s one to 2.8x their cost (12 hosts)."""
-        if not rec.hop_last or hops == {-1}:
-            return hi, rec.rise_hi[r]
         lasts = [rec.hop_last[r][k] for k in hops if _usable(rec.hop_last[r][k])]
         rises = [rec.hop_rise[r][k] for k in hops if _usable(rec.hop_rise[r][k])]
         return (float(max(lasts)) if lasts else float("nan"),
@@ -1036,7 +1042,9 @@ class Balancer:
         self.ops_since_exchange = 0
         self.pending_s = 0.0
         a, b, counts = [], [], []
-        recent = Recent([], [], [], [], [], counts, [], [], [], [], [])
+        recent = Recent(last_lo=[], last_hi=[], rise_lo=[], rise_hi=[], fall_hi=[],
+                        samples=counts, tail_hi=[], tail_rise_lo=[], slack_lo=[],
+                        hop_last=[], hop_rise=[])
         for r in range(self.nrails):
             col = tables[:, r, :]
             As = col[:, 0][~np.isnan(col[:, 0])]
