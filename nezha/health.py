@@ -92,6 +92,7 @@ TICK_MAX = 0.05          # ...unless every rail's stall limit is long: then this
 TICK_FRACTION = 0.15     # the shortest, up to TICK_MAX (_tick). Each wake-up of a Python
                          # thread cost ~100 us of CPU with 32 ranks on 2 cores, and the
                          # health threads took half of every rank's CPU there
+LIMITS_EVERY_S = 0.05    # s between two computations of every rail's stall limit (_tick)
 IDLE_EVERY_S = 0.05      # s between looks at an idle connection (Health.run)
 LOOP_IDLE = 0.5          # s the re-dial and liveness loops sleep while no rail is down; a
                          # failure wakes them at once (Engine.on_trouble)
@@ -123,6 +124,8 @@ class Health:
         self.refuses = refuses       # peer -> every rail refuses a connection (it exited)
         self.liveness_at: dict[int, float] = {}
         self.rail_addrs = list(rail_addrs)
+        self._limits: list[float] = []    # stall_limit of every rail (_tick)...
+        self._limits_t = -1e9               # ...as of then
         self.rail_ifindex: dict[int, int] = {}   # rail -> our interface on it (link monitor)
         self.watchdog_min = config.watchdog_ms / 1e3
         self.check_timeout = config.check_timeout_ms / 1e3
@@ -196,8 +199,20 @@ class Health:
         """How long the health thread sleeps: TICK, or longer when every rail's stall limit
         is long (slow rails: 160 ms at 10 Mbit/s), so that its precision stays a small part
         of the limit it enforces."""
-        shortest = min((self.stall_limit(r) for r in range(len(self.rail_addrs))), default=0.0)
+        now = time.monotonic()
+        if now - self._limits_t >= LIMITS_EVERY_S:
+            self._limits_t = now
+            self._limits = [self.stall_limit(r) for r in range(len(self.rail_addrs))]
+        shortest = min(self._limits, default=0.0)
         return min(TICK_MAX, max(TICK, TICK_FRACTION * shortest))
+
+    def _limit(self, rail: int) -> float:
+        """stall_limit as of the last LIMITS_EVERY_S. Each look at a busy connection needs
+        it (twice), and computing it reads the rail's estimates: with 5 ranks x 15 rails that
+        was a quarter of the health thread's CPU; the estimates change once an operation,
+        not per look."""
+        limits = self._limits
+        return limits[rail] if rail < len(limits) else self.stall_limit(rail)
 
     def run(self):
         eng = self.eng
@@ -262,7 +277,7 @@ class Health:
     def _watch(self, conn, rail: int, now: float) -> bool:
         """The watchdog of a connection with outstanding chunks; True if it is stuck (and a
         check of the path is under way)."""
-        limit = self.stall_limit(rail)
+        limit = self._limit(rail)
         ti = tcp_info(conn.sock) if conn.tcp_info_ok else None
         if ti is None:
             conn.tcp_info_ok = False
@@ -498,7 +513,7 @@ class Health:
         # catches what it cannot (a sender whose data never reaches its socket), later: a
         # rail whose rate was just cut tenfold is quiet for two or three of its 64 KiB
         # segments (26 ms each at 20 Mbit/s), before any estimate or RTT has caught up
-        floor = max(RX_FLOOR, RX_FACTOR * self.stall_limit(conn.rail))
+        floor = max(RX_FLOOR, RX_FACTOR * self._limit(conn.rail))
         quiet = now - max(conn.last_rx, conn.rx_ok_t)
         if self.prober is None or quiet < floor or conn.dead_why:
             return False

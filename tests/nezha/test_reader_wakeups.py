@@ -1,0 +1,113 @@
+"""A Connection's reader over a rail that delivers a few segments at a time (a shaped rail):
+it must wake for batches of a payload, not for every segment (SO_RCVLOWAT), see the payload's
+end as soon as its last byte is in, and then wake for a frame of any size again. On 5 ranks
+x 15 shaped rails on 2 cores the wake-ups per segment were where the CPU went; and a low-water
+mark left set after a payload once held a 64-byte ACK behind it until the job timed out."""
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import pytest
+
+from nezha import wire
+from nezha.transport import base
+from nezha.transport.base import Connection
+
+PAYLOAD = 192 << 10
+PIECE = 2 << 10          # the sender trickles the payload: 96 pieces...
+GAP_S = 0.002            # ...2 ms apart, about 190 ms in all
+
+
+class _Handler:
+    """The engine's side of a connection, as far as its reader needs one."""
+    silenced = False
+    rank = 1
+
+    def __init__(self, target: memoryview):
+        self.target = target
+        self.done_at: float | None = None
+        self.ack_at: float | None = None
+        self.acked = threading.Event()
+        self.failure: BaseException | None = None
+
+    def data_target(self, conn, h, now):
+        return self.target
+
+    def data_done(self, conn, h):
+        self.done_at = time.monotonic()
+
+    def on_ack(self, conn, h):
+        self.ack_at = time.monotonic()
+        self.acked.set()
+
+    def release_target(self, conn):
+        pass
+
+    def on_failed(self, conn, exc, protocol):
+        self.failure = exc
+        self.acked.set()
+
+    def on_closed(self, conn):
+        pass
+
+
+def _voluntary_switches(native_id: int) -> int:
+    with open(f"/proc/self/task/{native_id}/status") as f:
+        for line in f:
+            if line.startswith("voluntary_ctxt_switches:"):
+                return int(line.split()[1])
+    raise AssertionError("no voluntary_ctxt_switches in /proc")
+
+
+def _trickle(pair, monkeypatch) -> dict:
+    """Send one DATA frame in PIECE-byte pieces GAP_S apart, then an ACK frame once the payload
+    is in; what the reader made of it. The wait's timeout is made long (0.5 s), so that an end
+    seen only at a timeout shows."""
+    monkeypatch.setattr(base, "RCVLOWAT_POLL_MS", 500)
+    a, b = pair
+    a.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)    # each piece its own segment
+    payload = bytes(range(256)) * (PAYLOAD // 256)
+    target = memoryview(bytearray(PAYLOAD))
+    handler = _Handler(target)
+    conn = Connection(b, peer=0, rail=0, handler=handler)
+    conn.reader.start()
+    time.sleep(0.05)                       # the reader waits for a header
+    before = _voluntary_switches(conn.reader.native_id)
+    a.sendall(wire.pack(type=wire.DATA, src=0, length=PAYLOAD, msg_total=PAYLOAD,
+                        op_total=PAYLOAD))
+    for i in range(0, PAYLOAD, PIECE):
+        a.sendall(payload[i:i + PIECE])
+        time.sleep(GAP_S)
+    last_byte_at = time.monotonic()
+    deadline = last_byte_at + 2.0
+    while handler.done_at is None:
+        assert time.monotonic() < deadline, "the payload's end was never seen"
+        time.sleep(0.001)
+    wakeups = _voluntary_switches(conn.reader.native_id) - before
+    sent_ack_at = time.monotonic()
+    a.sendall(wire.pack(type=wire.ACK, src=0))
+    acked = handler.acked.wait(2.0)
+    return {"payload_ok": bytes(target) == payload, "failure": handler.failure,
+            "acked": acked, "wakeups": wakeups, "end_late_s": handler.done_at - last_byte_at,
+            "ack_late_s": (handler.ack_at or 1e9) - sent_ack_at}
+
+
+def test_a_trickled_payload_arrives_whole_and_the_frame_after_it_is_read(loopback_pair,
+                                                                         monkeypatch):
+    got = _trickle(loopback_pair, monkeypatch)
+    assert got["failure"] is None
+    assert got["payload_ok"]
+    assert got["acked"], "a 64-byte frame after the payload was never read"
+
+
+@pytest.mark.timing
+@pytest.mark.flaky(reruns=2)
+def test_the_reader_wakes_in_batches_and_sees_the_end_at_once(loopback_pair, monkeypatch):
+    got = _trickle(loopback_pair, monkeypatch)
+    # the end is seen when the last byte is in, not at the wait's next timeout (0.5 s)
+    assert got["end_late_s"] < 0.1
+    assert got["ack_late_s"] < 0.1
+    # 96 pieces: a wake-up each before; now one per 128 KiB (RCVLOWAT_MAX) or timeout
+    assert got["wakeups"] <= 24, f"the reader woke {got['wakeups']} times for 96 pieces"
