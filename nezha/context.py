@@ -140,7 +140,7 @@ class Context:
         rdv.meet(group, endpoints, deadline)
         rdv.connect(deadline)
         self._prober = PathProber(self.rank, endpoints, rdv.rail_key,
-                                  lambda p, r: tuple(rdv.infos[p]["rails"][r]),
+                                  rdv.infos.endpoint,
                                   blocked=self._probe_blocked)
         self._prober.start()
         # heartbeats start before the last barrier: a slow rank must not look dead; no rail

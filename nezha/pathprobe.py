@@ -84,12 +84,12 @@ class _Burst:
 
 class PathProber:
     """One rank's probe sockets (one per rail), its answers to the peers' probes, and its own
-    bursts. ``endpoint(peer, rail)`` is where the peer listens on that rail (the rendezvous);
-    ``blocked(peer, rail)`` is the engine's test hook for a black-holed connection or a
-    silenced rank (those move no probe either)."""
+    bursts. ``endpoint(peer, rail)`` is where the peer listens on that rail (the rendezvous;
+    None while its record is unread); ``blocked(peer, rail)`` is the engine's test hook for a
+    black-holed connection or a silenced rank (those move no probe either)."""
 
     def __init__(self, rank: int, rail_addrs: Sequence[tuple[str, int]], key: bytes,
-                 endpoint: Callable[[int, int], tuple[str, int]],
+                 endpoint: Callable[[int, int], Optional[tuple[str, int]]],
                  blocked: Callable[[int, int], bool] = lambda p, r: False) -> None:
         self.rank = rank
         self.key = auth.mac(key, b"nezha-probe-key")
@@ -300,7 +300,9 @@ class PathProber:
                 if e.errno == errno.ENOBUFS or attempt:
                     return e.errno or -1
 
-    def _send(self, rail: int, dest: tuple[str, int], data: bytes) -> None:
+    def _send(self, rail: int, dest: Optional[tuple[str, int]], data: bytes) -> None:
+        if dest is None:        # the peer's record is not read yet: lost, as on a black hole
+            return
         err = self._sendto(rail, dest, data)
         if err:
             if err == errno.ENOBUFS:          # our own queue was full: again, shortly

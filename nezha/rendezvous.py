@@ -3,8 +3,10 @@
 1. Meet (``Rendezvous.meet``): through the key-value store (served by rank 0 on the master
    address unless NEZHA_STORE_EXTERNAL=1; every store connection proves the job secret,
    store.py), every rank claims its rank (a second claim aborts the job), rank 0 draws a
-   random session token, and every rank publishes its listening endpoints and checks that all
-   agree on world size, rail count and system. The rail key is HMAC(secret, session, group).
+   random session token, and every rank publishes its listening endpoints and checks that it
+   agrees with rank 0 on world size, rail count and system (so all agree, or one aborts the
+   job). The rail key is HMAC(secret, session, group). A rank reads the records of rank 0
+   and of its start peers only, another peer's when it first connects to it (``PeerInfos``).
 2. Connect (``Rendezvous.connect``): every rank dials its lower *start peers* on every rail
    and accepts the higher ones. The start peers are the ring neighbours r-1 and r+1 (every
    collective's data goes round the ring, and the control plane is relayed round it,
@@ -170,6 +172,44 @@ def start_peers(rank: int, world: int, mode: str = "ring") -> set[int]:
     return {(rank - 1) % world, (rank + 1) % world}
 
 
+class PeerInfos:
+    """The ranks' published records (endpoints per rail, world, system, ...), read from the
+    store when first needed: at the meeting rank 0's and the start peers', another peer's
+    when this rank first connects to it. Why: every rank reading all n records moved n^2 of
+    them through the store host's first rail; 64 hosts on 1 Mbit/s rails made 4096 requests
+    and ~1.3 MB of replies there, and ranks timed out in the middle of the rendezvous."""
+
+    def __init__(self, store: StoreClient, pre: str, timeout: float):
+        self._store, self._pre, self._timeout = store, pre, timeout
+        self._known: dict[int, dict] = {}
+        self._lock = threading.Lock()
+
+    def __getitem__(self, rank: int) -> dict:
+        with self._lock:
+            info = self._known.get(rank)
+        if info is None:
+            got = json.loads(self._store.get(self._pre + f"info/{rank}", self._timeout))
+            if not isinstance(got, dict) or not isinstance(got.get("rails"), list):
+                raise RendezvousError(f"rank {rank}'s record in the store is not a rank's "
+                                      f"record: {str(got)[:80]}")
+            with self._lock:
+                info = self._known.setdefault(rank, got)
+        return info
+
+    def known(self) -> dict[int, dict]:
+        """The records read so far, by rank."""
+        with self._lock:
+            return dict(self._known)
+
+    def endpoint(self, rank: int, rail: int) -> Optional[tuple]:
+        """``rank``'s endpoint on ``rail`` if its record was read, else None: for the path
+        prober's thread, which must not wait on the store (a peer's record is read when the
+        first connection to it is made)."""
+        with self._lock:
+            info = self._known.get(rank)
+        return None if info is None else tuple(info["rails"][rail])
+
+
 class Rendezvous:
     """One rank's side of meeting and connecting (see the module docstring). ``secret``: the
     job secret (None: unauthenticated, said once in the log and the event log)."""
@@ -182,7 +222,7 @@ class Rendezvous:
         self.store: Optional[StoreClient] = None
         self.server: Optional[StoreServer] = None   # ours if we serve the store
         self.owned_store: Optional[StoreClient] = None
-        self.infos: list = []
+        self.infos: Optional[PeerInfos] = None
         self.session = ""
         self.pre = ""
         self.rail_key = b""
@@ -231,7 +271,9 @@ class Rendezvous:
         store.set(pre + f"info/{me.rank}", json.dumps(info))
         keys = [pre + f"info/{r}" for r in range(me.world_size)]
         self._wait_infos(keys, deadline)
-        self.infos = [json.loads(store.get(k, 1.0)) for k in keys]
+        self.infos = PeerInfos(store, pre, max(1.0, min(me.timeout, 10.0)))
+        for r in sorted({0, me.rank} | self.peers):
+            self.infos[r]
         self._check_infos()
         self.session = store.get(pre + "session", _left(deadline, 0.1))
         self.rail_key = auth.mac(self.secret, b"nezha-rail-key", self.session.encode(),
@@ -253,7 +295,7 @@ class Rendezvous:
 
     def _check_infos(self) -> None:
         me = self.me
-        for r, inf in enumerate(self.infos):
+        for r, inf in sorted(self.infos.known().items()):
             bad = None
             if inf["world"] != me.world_size:
                 bad = f"rank {r} has world size {inf['world']}, rank {me.rank} has {me.world_size}"
@@ -590,11 +632,22 @@ class Rendezvous:
                 with self._lazy_lock:
                     self._dialling.discard((peer, rail))
 
+    def learn(self, peer: int) -> None:
+        """Read the record of a peer that connected to us on demand (this thread is the
+        handshake's own), so that path probes to it need not wait on the store."""
+        try:
+            self.infos[peer]
+        except (NezhaError, OSError, ValueError) as e:
+            self.events.emit("peer_record_unread", peer=peer, error=f"{type(e).__name__}: {e}")
+
     def refuses(self, peer: int) -> bool:
         """Whether ``peer`` refuses a connection on every rail: its listeners (open for the
         Context's whole life) are gone, so its process is. A path that is merely broken
         times out or is unreachable instead, which is not a refusal."""
-        for rail, dest in enumerate(self.infos[peer]["rails"]):
+        info = self.infos.known().get(peer)
+        if info is None:          # never connected to it: nothing to judge by
+            return False
+        for rail, dest in enumerate(info["rails"]):
             try:
                 s = self.transport.connect(rail, dest, 0.3, retry=False)
             except ConnectionRefusedError:
@@ -688,6 +741,7 @@ class _Rejoins:
             rdv._install(s, peer, rail, "accepted",
                          greet=lambda: rdv._say(s, rail, {"ok": True, "token": token.hex()}),
                          lazy=True)
+            rdv.learn(peer)
         finally:
             with rdv._lazy_lock:
                 rdv._accepting.discard((peer, rail))

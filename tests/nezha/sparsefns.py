@@ -40,14 +40,25 @@ def idents(ctx) -> dict:
     return {f"{p},{r}": list(c.ident) for (p, r), c in list(ctx._engine.conns.items())}
 
 
+def records(ctx, want: int = 0, limit: float = 5.0) -> list:
+    """The ranks whose rendezvous records this rank has read (waiting up to ``limit`` s
+    for ``want`` of them: an accepted connection's record is read just after it is in)."""
+    deadline = time.monotonic() + limit
+    while len(ctx._rdv.infos.known()) < want and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return sorted(ctx._rdv.infos.known())
+
+
 def on_demand(rank, world, port, connect="ring", count=1001):
     """Connections after init, after allreduces above the direct limit (ring: neighbours
     only), after a small broadcast from rank 0 (a star: rank 0 reaches everyone), a chain
-    broadcast, and a small allreduce (one direct round: every rank reaches every other)."""
+    broadcast, and a small allreduce (one direct round: every rank reaches every other);
+    and the ranks whose records were read from the store at init and at the end."""
     out = {}
     cfg = Config(connect=connect)
     with make_ctx(rank, world, port, 2, config=cfg, secret=SECRET) as ctx:
         out["init"] = peers_of(ctx)
+        out["records_init"] = records(ctx)
         ok = True
         ring = cfg.direct_max // 4 // (world - 1) + 1      # float32s: just above the limit
         for it in range(3):
@@ -75,6 +86,7 @@ def on_demand(rank, world, port, connect="ring", count=1001):
         ok &= bool(np.array_equal(d, reference(world, 5, count, "float32", "sum")))
         ctx.barrier()
         out["direct"] = settled(ctx)
+        out["records_end"] = records(ctx, world)
         out["ok"] = ok
     return out
 

@@ -43,6 +43,11 @@ def test_a_ring_job_holds_neighbours_only_and_reaches_others_on_first_use():
         assert v["chain"] == star, (r, v["chain"])     # a chain goes round the ring
         # a small allreduce is one direct round (up to 8 ranks): every pair connects
         assert v["direct"] == {p: 2 for p in range(WORLD) if p != r}, (r, v["direct"])
+        # the store's records: rank 0's (the agreement check), our own and the neighbours'
+        # at init (not all n: n^2 of them through one link stalled 64 hosts at 1 Mbit/s),
+        # then each peer's as it connects, whichever end dialled
+        assert v["records_init"] == sorted({0, r} | neighbours(r)), (r, v["records_init"])
+        assert v["records_end"] == list(range(WORLD)), (r, v["records_end"])
 
 
 def test_connect_full_is_the_old_mesh():
@@ -50,6 +55,7 @@ def test_connect_full_is_the_old_mesh():
     for r, (ok, v) in res.items():
         assert ok, (r, v)
         assert v["ok"] and v["init"] == {p: 2 for p in range(WORLD) if p != r}, (r, v)
+        assert v["records_init"] == list(range(WORLD)), (r, v["records_init"])
 
 
 def test_crossing_dials_leave_one_connection_per_pair_and_rail(tmp_path):
