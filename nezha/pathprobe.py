@@ -89,7 +89,7 @@ class PathProber:
     black-holed connection or a silenced rank (those move no probe either)."""
 
     def __init__(self, rank: int, rail_addrs: Sequence[tuple[str, int]], key: bytes,
-                 endpoint: Callable[[int, int], Optional[tuple[str, int]]],
+                 endpoint: Callable[[int, int], tuple[str, int] | None],
                  blocked: Callable[[int, int], bool] = lambda p, r: False) -> None:
         self.rank = rank
         self.key = auth.mac(key, b"nezha-probe-key")
@@ -300,7 +300,7 @@ class PathProber:
                 if e.errno == errno.ENOBUFS or attempt:
                     return e.errno or -1
 
-    def _send(self, rail: int, dest: Optional[tuple[str, int]], data: bytes) -> None:
+    def _send(self, rail: int, dest: tuple[str, int] | None, data: bytes) -> None:
         if dest is None:        # the peer's record is not read yet: lost, as on a black hole
             return
         err = self._sendto(rail, dest, data)

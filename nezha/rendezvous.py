@@ -201,7 +201,7 @@ class PeerInfos:
         with self._lock:
             return dict(self._known)
 
-    def endpoint(self, rank: int, rail: int) -> Optional[tuple]:
+    def endpoint(self, rank: int, rail: int) -> tuple | None:
         """``rank``'s endpoint on ``rail`` if its record was read, else None: for the path
         prober's thread, which must not wait on the store (a peer's record is read when the
         first connection to it is made)."""
@@ -222,7 +222,7 @@ class Rendezvous:
         self.store: Optional[StoreClient] = None
         self.server: Optional[StoreServer] = None   # ours if we serve the store
         self.owned_store: Optional[StoreClient] = None
-        self.infos: Optional[PeerInfos] = None
+        self.infos: PeerInfos | None = None
         self.session = ""
         self.pre = ""
         self.rail_key = b""
