@@ -1113,3 +1113,20 @@ def test_a_rail_that_falls_below_the_probing_class_is_probed_after_one_silent_ta
     bal.agree(t)
     assert bal.rs.probed[1] and 0 < bal.rs.shares()[1] < 0.1
     assert bal.rs.probe_after[1] == 2                        # and then less often
+
+
+def test_a_rail_whose_jump_back_leaves_it_beyond_the_probing_class_is_still_probed():
+    """2 hosts x 2 rails, a 30 % loss burst of 2 s: r1 jumped to 180x its cost, and after the
+    burst its crumb of a share cost what r1 was worth, so every table said "jump back", by
+    at most FALL_MAX: to 45x, still beyond the probing class. Such a jump saves nothing and
+    was dropped, and a rail in a jump was never probed: r1 carried nothing for the 5.7 s
+    left of the run (tests/test_failover.py, loss-burst-30, 2 of 4 shapes in one suite)."""
+    bal = hot([1e-8, 1e-8])
+    one_op(bal, [[1e-8, 1.8e-6]] * 3)                        # slowed 180x: a jump
+    assert bal.rs.used_b[1] == pytest.approx(1.8e-6) and bal.rs.shares()[1] < 0.01
+    for _ in range(3):
+        one_op(bal, [[1e-8, 1.2e-8]] * 3)                    # its crumb: back at its worth
+        if bal.rs.probed[1]:
+            break
+    assert bal.rs.probed[1], "never probed"
+    assert bal.rs.shares()[1] > 0.02                            # a probing share, not a crumb
