@@ -70,6 +70,9 @@ REJOIN_WAIT = 1.0         # s an unauthenticated rejoin waits for the old connec
 MAX_HELLO = 4 << 10       # bytes of HELLO / AUTH body accepted
 FULL_MESH_MAX = 4         # up to this many ranks the ring neighbours are every peer anyway
 CROSSING = "crossing dials: the higher rank's connection is kept"
+RECORD_WAIT_MAX = 10.0    # s a record read may wait (+5 s for its reply to start arriving): the
+                          # record is known to be there, but 64 hosts' replies on a 1 Mbit/s
+                          # rail took more than the 1 + 5 s a read had before
 
 _ACCEPTOR, _DIALLER = b"nezha-rail-acceptor", b"nezha-rail-dialler"
 _T = struct.Struct("!IIII")
@@ -184,9 +187,18 @@ class PeerInfos:
         self._known: dict[int, dict] = {}
         self._lock = threading.Lock()
 
-    def __getitem__(self, rank: int) -> dict:
+    def cached(self, rank: int) -> dict | None:
+        """``rank``'s record if it was read, else None (never waits on the store)."""
         with self._lock:
-            info = self._known.get(rank)
+            return self._known.get(rank)
+
+    def read(self, ranks) -> None:
+        """Read the records of ``ranks`` that are not read yet."""
+        for r in sorted(ranks):
+            self[r]
+
+    def __getitem__(self, rank: int) -> dict:
+        info = self.cached(rank)
         if info is None:
             got = json.loads(self._store.get(self._pre + f"info/{rank}", self._timeout))
             if not isinstance(got, dict) or not isinstance(got.get("rails"), list):
@@ -205,8 +217,7 @@ class PeerInfos:
         """``rank``'s endpoint on ``rail`` if its record was read, else None: for the path
         prober's thread, which must not wait on the store (a peer's record is read when the
         first connection to it is made)."""
-        with self._lock:
-            info = self._known.get(rank)
+        info = self.cached(rank)
         return None if info is None else tuple(info["rails"][rail])
 
 
@@ -271,9 +282,8 @@ class Rendezvous:
         store.set(pre + f"info/{me.rank}", json.dumps(info))
         keys = [pre + f"info/{r}" for r in range(me.world_size)]
         self._wait_infos(keys, deadline)
-        self.infos = PeerInfos(store, pre, max(1.0, min(me.timeout, 10.0)))
-        for r in sorted({0, me.rank} | self.peers):
-            self.infos[r]
+        self.infos = PeerInfos(store, pre, max(1.0, min(me.timeout, RECORD_WAIT_MAX)))
+        self.infos.read({0, me.rank} | self.peers)
         self._check_infos()
         self.session = store.get(pre + "session", _left(deadline, 0.1))
         self.rail_key = auth.mac(self.secret, b"nezha-rail-key", self.session.encode(),
@@ -644,7 +654,7 @@ class Rendezvous:
         """Whether ``peer`` refuses a connection on every rail: its listeners (open for the
         Context's whole life) are gone, so its process is. A path that is merely broken
         times out or is unreachable instead, which is not a refusal."""
-        info = self.infos.known().get(peer)
+        info = self.infos.cached(peer)
         if info is None:          # never connected to it: nothing to judge by
             return False
         for rail, dest in enumerate(info["rails"]):
