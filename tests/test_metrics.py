@@ -174,6 +174,18 @@ def test_failover_of_a_known_stall_within_20ms():
     assert row.stalls and row.natural_gap_ms <= 40
 
 
+def test_detection_is_the_earliest_rank_to_see_the_fault_not_the_first_log_read():
+    """The ranks' event logs are read one after another (rank 0's first); the rank whose own
+    link went down saw it 3 ms in, rank 0 heard of it 40 ms in: detection is 3 ms."""
+    active, _ = failover_world(stall_end=3.35)
+    ev = [{"t": 3.040, "event": "rail_down", "rank": 0, "rail": 1, "peer": 1},
+          {"t": 3.003, "event": "rail_down", "rank": 1, "rail": 1, "peer": 0}]
+    m = metrics.compute(TOPO, SCEN, synth_samples(active), span_records(world_spans(3.35)),
+                        ev, [fault_record(3.0, 5.0)], t0=0.0)
+    assert m["detection_ms"] == pytest.approx(3, abs=0.5)
+    assert m.faults[0].detection.by_rail["r1"]["detected_by"] == 1
+
+
 @pytest.mark.parametrize("stall_end", [3.2, 3.5, 3.813])
 def test_failover_tracks_the_stall_length(stall_end):
     active, _ = failover_world(stall_end=stall_end)
