@@ -1,11 +1,11 @@
 """Measure detection / failover / recovery per fault kind (the README's failover table).
 
-    sudo .venv/bin/python scripts/failover_table.py --hosts 3 --rails 2 [--repeat N]
-        [--results DIR] [kinds...]
+    sudo .venv/bin/python scripts/failover_table.py --hosts 3 --rails 2 [--rate 200mbit]
+        [--repeat N] [--results DIR] [kinds...]
 
 "hit iteration +ms" is how much longer the iteration in flight at the fault took than the
 median iteration (failover.iteration_stall). Each kind is one testbed run of the scenario tests/test_failover.py uses (16 MiB allreduce on
-rails of 200 Mbit/s, fault at 3 s for 3 s); the table prints the median over --repeat runs and
+rails of 200 Mbit/s unless --rate says otherwise, fault at 3 s for 3 s); the table prints the median over --repeat runs and
 the worst value."""
 from __future__ import annotations
 
@@ -39,6 +39,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--hosts", type=int, default=3)
     ap.add_argument("--rails", type=int, default=2)
+    ap.add_argument("--rate", default="200mbit", help="every rail's rate (a topology bandwidth)")
     ap.add_argument("--repeat", type=int, default=1)
     ap.add_argument("--json", type=Path, help="write every run's metrics here")
     ap.add_argument("--results", type=Path,
@@ -50,7 +51,7 @@ def main() -> int:
         vals: dict[str, list] = {c: [] for c in COLS + ("wrong_results", "iterations_lost")}
         passed = 0
         for i in range(a.repeat):
-            topo = spec.loads(topology(kind, a.hosts, a.rails))
+            topo = spec.loads(topology(kind, a.hosts, a.rails, a.rate))
             if a.results:
                 out = run_topology(topo, a.results / f"{kind}-{i + 1}", say=lambda m: None)
             else:
@@ -74,7 +75,7 @@ def main() -> int:
     head = ("fault", "detection ms", "failover ms", "hit iteration +ms", "recovery ms", "wrong",
             "lost", "passed")
     w = [max(len(r[i]) for r in rows + [head]) for i in range(len(head))]
-    print(f"\n{a.hosts} hosts x {a.rails} rails of 200 Mbit/s, 16 MiB allreduce, "
+    print(f"\n{a.hosts} hosts x {a.rails} rails of {a.rate}, 16 MiB allreduce, "
           f"median (max) of {a.repeat}")
     for r in [head] + rows:
         print("  ".join(c.ljust(w[i]) for i, c in enumerate(r)))

@@ -30,9 +30,9 @@ TIME_BOUNDS = {"failover_ms": 200, "detection_ms": 200, "recovery_ms": 2000}
 TIME_MARGIN = 2.0
 
 
-def topology(kind: str, hosts: int, rails: int) -> str:
+def topology(kind: str, hosts: int, rails: int, rate: str = "200mbit") -> str:
     fault, fast, detected = FAULTS[kind]
-    rail_lines = "".join(f"  - {{name: r{k}, bandwidth: 200mbit}}\n" for k in range(rails))
+    rail_lines = "".join(f"  - {{name: r{k}, bandwidth: {rate}}}\n" for k in range(rails))
     expect = ["wrong_results: 0", "iterations_lost: 0"]
     if fast:
         expect += ["failover_ms: {max: 200}", "detection_ms: {max: 200}"]
