@@ -851,11 +851,12 @@ class RailState:
         best = min(sb[r] for r in live)
         probing = False
         for r in live:
-            # a jump is news of a rail, but not a jump back that leaves it beyond the probing
-            # class: its share is a crumb, and the jump, saving nothing, is not even taken. A
-            # rail at 180x after a 30 % loss burst, back at its worth by its crumb's cost,
-            # jumped back by FALL_MAX (to 45x) at every table, each dropped, and was never
-            # probed (2 hosts x 2 rails: one rail for the 5.7 s after the burst)
+            # a jump slower is news of a rail; a jump back is not. One that lands within the
+            # probing class is not probed anyway (sb[r] holds the jump: the test below), and
+            # one that leaves the rail beyond it keeps a crumb of a share and, saving
+            # nothing, is not even taken. A rail at 180x after a 30 % loss burst, back at its
+            # worth by its crumb's cost, jumped back by FALL_MAX (to 45x) at every table, each
+            # dropped, and was never probed (2 hosts x 2 rails: one rail for 5.7 s)
             news_of_it = r in jumps and jumps[r] >= self.used_b[r]
             if not news_of_it and self.silent[r] >= self.probe_after[r] \
                     and sb[r] > PROBE_RATIO * best:
