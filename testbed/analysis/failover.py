@@ -180,11 +180,14 @@ def _event_rails(e: dict, rails: Sequence[str]) -> set:
 
 def _first_event(events: Sequence[dict], names: Sequence[str], rail: str, rails: Sequence[str],
                  T: float, until: float) -> Optional[dict]:
-    """The earliest matching event in time: the ranks' logs arrive one rank after another,
-    so list order says which rank wrote first, not which saw the fault first."""
-    found = [e for e in events if is_num(e.get("t")) and T - EARLY_TOL_S <= e["t"] < until
-             and e.get("event") in names and rail in _event_rails(e, rails)]
-    return min(found, key=lambda e: e["t"], default=None)
+    """The first matching event of ``events``, which are in time order (timeline.by_time)."""
+    for e in events:
+        t = e.get("t")
+        if not is_num(t) or t < T - EARLY_TOL_S or t >= until:
+            continue
+        if e.get("event") in names and rail in _event_rails(e, rails):
+            return e
+    return None
 
 
 def detection(f: FaultRecord, events: Sequence[dict], rails: Sequence[str],

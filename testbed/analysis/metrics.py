@@ -31,6 +31,7 @@ from testbed.analysis.competing import competing_bps, flows_detail, workload_bps
 from testbed.analysis.failover import SETTLE_S, shares
 from testbed.analysis.faults import FaultTallies, analyse_faults
 from testbed.analysis.sampler import Rates, Samples
+from testbed.analysis.timeline import by_time
 from testbed.analysis.training import TRAIN_METRICS, train_metrics
 from testbed.model.records import (FaultRecord, FlowRecord, IterationRecord, Metrics,
                                    as_iterations, is_num)
@@ -449,6 +450,7 @@ def compute(topo, scenario, samples: Optional[Samples],
       competing flows (their goodput is shown apart: ``detail.goodput.competing_mbps``).
     """
     extra = dict(extra or {})
+    events = by_time(events)      # as the ranks' logs were read: rank after rank
     iterations = as_iterations(iterations)
     table = iteration_table(iterations, _world(topo, scenario, extra))
     run = _Run(topo, scenario, iterations, table, _main_system(scenario, table), extra,

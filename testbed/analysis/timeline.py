@@ -22,7 +22,7 @@ from testbed.model.records import (FaultRecord, FlowRecord, IterationRecord, as_
 if TYPE_CHECKING:
     from testbed.analysis.sampler import Samples
 
-__all__ = ["Timeline", "load_events", "load_iterations", "rail_name"]
+__all__ = ["Timeline", "by_time", "load_events", "load_iterations", "rail_name"]
 
 
 # ---------------------------------------------------------------------------------- logs
@@ -42,9 +42,14 @@ def load_iterations(paths: Iterable[str | Path]
 
 def load_events(paths: Iterable[str | Path]) -> list[dict]:
     """Every rank's Nezha events, sorted by ``t``; lines without a numeric ``t`` are dropped."""
-    out = [e for p in paths for e in load_jsonl(p) if isinstance(e.get("t"), (int, float))]
-    out.sort(key=lambda e: e["t"])
-    return out
+    return by_time(e for p in paths for e in load_jsonl(p))
+
+
+def by_time(events: Iterable[dict]) -> list[dict]:
+    """Events in time order, those without a numeric ``t`` dropped: the ranks' logs are read
+    one rank after another, so their order says which rank wrote first, not what came first."""
+    return sorted((e for e in events if isinstance(e.get("t"), (int, float))),
+                  key=lambda e: e["t"])
 
 
 def rail_name(value: Any, rails: Sequence[str]) -> Optional[str]:
