@@ -86,7 +86,7 @@ class _Ring:
         self.esz = arr.dtype.itemsize
         bd = bounds(len(arr), n)
         self.B = nblocks(len(arr), n, self.esz, call.pipe_block)
-        self.scratch = np.empty_like(arr)
+        self.scratch = eng.scratch.take(arr.nbytes, arr.dtype)
         self.bv, self.sv = byteview(arr), byteview(self.scratch)
         self.desc = Desc(kind, wire.DTYPE_CODES[arr.dtype.name], wire.REDOP_CODES[redop],
                          arr.nbytes)

@@ -32,6 +32,7 @@ from typing import Callable, Optional
 import numpy as np
 
 from . import aggwire, collectives, wire
+from .buffers import Scratch
 from .errors import AggregatorError, ConfigError, ProtocolError
 from .protocols import (AGG_BYTES, AGG_RTT, AGG_S, HOT, HYBRID_MIN, HYBRID_OPS, OK, REACHABLE,
                         RING_BYTES, RING_S, ROW_COLUMNS, HybridState)
@@ -154,7 +155,7 @@ class HybridAllreduce:
             if not sw.connect(2.0):
                 sw.probe()
         self._pool = ThreadPoolExecutor(len(self.switches), thread_name_prefix="agg-half")
-        self._scratch = np.empty(0, np.uint8)
+        self._scratch = Scratch()
         self._op = -1
         self.down_at: Optional[float] = None
         self.agg_bytes = 0                  # moved through the switches (agreed ok)
@@ -201,10 +202,7 @@ class HybridAllreduce:
 
     def _scratch_for(self, arr: np.ndarray, x: int) -> np.ndarray:
         """Where the switch's results go until the vote says every rank has them."""
-        need = x * arr.itemsize
-        if self._scratch.nbytes < need:
-            self._scratch = np.empty(need, np.uint8)
-        return self._scratch[:need].view(arr.dtype)
+        return self._scratch.take(x * arr.itemsize, arr.dtype)
 
     def _start(self, op_id: int, data: np.ndarray, out: np.ndarray, op: str, nbytes: int):
         """One worker per switch, each on its contiguous part of the range."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 import threading
 import time
 
+from ..buffers import Scratch
 from ..config import Config
 from ..costs import ShareCosts
 from ..errors import AllRailsDownError, CommTimeout, PeerClosedError
@@ -26,6 +27,7 @@ class Engine(Receiving, Sending, Agreement, Failover, Hedging):
         self.events = events
         self.timeout = config.timeout
         self.staging_limit = config.staging_limit
+        self.scratch = Scratch()     # the ring's receive buffer (collectives._Ring)
         self.debug_samples = config.debug_samples   # a b_sample event per rate sample
         self.hedging = config.hedge                 # engine/hedge.py (NEZHA_HEDGE=0: off)
         self.trace = config.trace                   # a tx/rx event per chunk

@@ -5,7 +5,7 @@ import time
 
 import numpy as np
 
-from nezha import Context
+from nezha import Config, Context
 from nezha.testing import loopback_rails
 
 REDUCE = {"sum": np.add, "prod": np.multiply, "max": np.maximum, "min": np.minimum}
@@ -401,3 +401,26 @@ def bytes_counted_when_the_writer_lags(rank, world, port, count):
         exact = bool(np.array_equal(a, reference(world, 0, count, "float32", "sum")))
         ctx.barrier()
     return sent, exact
+
+
+def ring_sizes_up_and_down(rank, world, port):
+    """Ring allreduces and reduce-scatters whose sizes and dtypes grow and shrink from one
+    operation to the next: the ring's receive buffer is kept between operations
+    (buffers.Scratch), so what a larger one left in it must never reach a smaller one."""
+    bad = []
+    plan = [(300_001, "float64"), (5, "int32"), (70_001, "float32"), (1_000_003, "int64"),
+            (2, "float16"), (40_000, "float64"), (700_001, "float32")]
+    with make_ctx(rank, world, port, config=Config(direct_max=0, pipe_block=65536)) as ctx:
+        for it, (count, dtype) in enumerate(plan):
+            a = data(rank, it, count, dtype)
+            ctx.allreduce(a)
+            if not np.array_equal(a, reference(world, it, count, dtype, "sum")):
+                bad.append(("allreduce", count, dtype))
+            m = count // world + 1
+            full = data(rank, it, m * world, dtype, "max")
+            out = np.zeros(m, dtype=dtype)
+            ctx.reduce_scatter(full, out, op="max")
+            want = reference(world, it, m * world, dtype, "max")[rank * m:(rank + 1) * m]
+            if not np.array_equal(out, want):
+                bad.append(("reduce_scatter", count, dtype))
+    return bad

@@ -87,6 +87,11 @@ def test_repeated_interleaved_calls():
     assert all(v == [] for v in res.values()), res
 
 
+def test_ring_results_stay_exact_when_sizes_and_dtypes_change_between_operations():
+    res = ok_results(run_ranks(rankfns.ring_sizes_up_and_down, 3, timeout=90))
+    assert all(v == [] for v in res.values()), res
+
+
 def test_pipelined_blocks():
     """Tiny pipeline blocks: many blocks per segment, forwarded one by one, odd sizes."""
     import nezha.collectives as c
