@@ -1,5 +1,6 @@
 """User buffers -> flat numpy arrays sharing their memory (numpy arrays or any writable
-object with the buffer protocol), and the copy back for a non-contiguous array."""
+object with the buffer protocol), and the copy back for a non-contiguous array; and the
+receive buffer the ring keeps between operations (Scratch)."""
 from __future__ import annotations
 
 from typing import Callable, Optional
