@@ -352,6 +352,7 @@ class Context:
             self._transport.close()
         if self._rdv is not None:
             self._rdv.close()
+        eng.scratch.release()
         self.events.emit("close")
         self.events.close()
 

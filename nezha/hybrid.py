@@ -292,6 +292,7 @@ class HybridAllreduce:
                     switches={sw.rail: sw.channel is not None for sw in self.switches})
 
     def close(self) -> None:
+        self._scratch.release()
         for sw in self.switches:
             sw.close()
         self._pool.shutdown(wait=False)

@@ -87,11 +87,14 @@ def build_parser(cfg: Optional[Config] = None, wl: Optional[Workload] = None):
     return p
 
 
+COMBINE = {"sum": sum, "max": max, "min": min}   # the ranks' offsets, as the op combines them
+
+
 class Pattern:
     """Closed-form per-rank inputs and the exact reduced result. The check reuses two
-    arrays of the buffer's size: new ones every iteration cost more CPU than the
-    comparison (the kernel clears every fresh page: 16 MiB on 2 ranks kept a third of the
-    main thread busy between operations)."""
+    arrays of the buffer's size: three new ones every iteration cost more CPU than the
+    comparison (2 ranks x 16 MiB: 8 % of both cores in the kernel's page clears, and the
+    check half of the main thread's samples in ``py-spy``)."""
 
     def __init__(self, count, dtype, op, world):
         self.dtype, self.op, self.world = np.dtype(dtype), op, world
@@ -126,8 +129,7 @@ class Pattern:
         if self.op == "prod":
             np.multiply(self.fixed, int(np.prod(cs)), out=self.expected)
         else:
-            extra = {"sum": sum, "max": max, "min": min}[self.op](cs)
-            np.add(self.fixed, extra, out=self.expected)
+            np.add(self.fixed, COMBINE[self.op](cs), out=self.expected)
         np.not_equal(buf, self.expected, out=self.differs)
         return int(np.count_nonzero(self.differs))
 

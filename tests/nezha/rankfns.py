@@ -423,4 +423,8 @@ def ring_sizes_up_and_down(rank, world, port):
             want = reference(world, it, m * world, dtype, "max")[rank * m:(rank + 1) * m]
             if not np.array_equal(out, want):
                 bad.append(("reduce_scatter", count, dtype))
+        if ctx._engine.scratch.kept < 1_000_003 * 8:
+            bad.append(("the ring's buffer was not kept", ctx._engine.scratch.kept))
+    if ctx._engine.scratch.kept:
+        bad.append(("close() left the ring's buffer held", ctx._engine.scratch.kept))
     return bad

@@ -1,4 +1,5 @@
 """Correctness of every collective on loopback rails, one process per rank."""
+import numpy as np
 import pytest
 
 from nezha.testing import run_ranks
@@ -90,6 +91,22 @@ def test_repeated_interleaved_calls():
 def test_ring_results_stay_exact_when_sizes_and_dtypes_change_between_operations():
     res = ok_results(run_ranks(rankfns.ring_sizes_up_and_down, 3, timeout=90))
     assert all(v == [] for v in res.values()), res
+
+
+def test_scratch_is_kept_up_to_its_bound_and_let_go_on_release():
+    """A Context holds its largest ring buffer (README, the Python API) up to keep_max; a
+    larger operation's buffer is its own, and release() holds nothing."""
+    from nezha.buffers import Scratch
+    s = Scratch(keep_max=1 << 20)
+    a = s.take(4096, np.float32)
+    assert a.dtype == np.float32 and len(a) == 1024
+    b = s.take(1 << 20, np.float64)
+    assert len(b) == 1 << 17 and s.kept == 1 << 20
+    assert np.shares_memory(s.take(4096, np.uint8), b)     # the kept buffer, not a new one
+    big = s.take(2 << 20, np.uint8)
+    assert len(big) == 2 << 20 and not np.shares_memory(big, b) and s.kept == 1 << 20
+    s.release()
+    assert s.kept == 0 and not np.shares_memory(s.take(4096, np.uint8), b)
 
 
 def test_pipelined_blocks():
