@@ -530,18 +530,30 @@ class RailState:
                 bool(usable) and max(self.silent[r] for r in live) >= PROBE_AFTER)
             return self._enter_hot(a, b, usable) if enough else []
         jumps = self._shifts(recent) if recent is not None else {}
-        for r in usable:
-            if self.used_b[r] / SHIFT <= b[r] <= SHIFT * self.used_b[r]:
-                self.confirmed[r] = True
+        self._confirm(b, usable, recent)
         self._look_again_soon(jumps)
         jumps.update(self._measured_probes(b, usable, counts, recent))
         if recent is not None:
             b = self._within_slack(b, jumps, recent.slack_lo)
+            b = self._without_past_rises(b, jumps, recent.last_hi)
         self._take_start_up_falls(a)
         news = [r for r in usable if counts[r] >= self.patience]
-        if not news and not jumps:
+        if not news and not jumps and not self._probe_due():
             return []
         return self._damped_move(a, b, news, jumps)
+
+    def _confirm(self, b, usable, rec: Recent | None) -> None:
+        """A HOT table confirms a rail's cost in use when its estimate, or its last operation
+        on its slowest hop, is within SHIFT x of it. The last operation counts too: the
+        estimate needs MIN_SAMPLES operations at one split, and a rail that slowed at the
+        second operation after HOT began (a loss burst) was never confirmed, so its worth
+        was not remembered and it had no way back (``_way_back``)."""
+        for r in self.live:
+            x = self.used_b[r]
+            est = b[r] if r in usable else float("nan")
+            last = rec.last_hi[r] if rec is not None else float("nan")
+            if any(_usable(c) and x / SHIFT <= c <= SHIFT * x for c in (est, last)):
+                self.confirmed[r] = True
 
     def _within_slack(self, b, jumps: dict, slack) -> list:
         """Bound how much cheaper a rail that was done early may become: its share may grow,
@@ -577,6 +589,26 @@ class RailState:
                 b[r] = max(b[r], floor, EARLY_FALL * self.used_b[r])
         return b
 
+    def _without_past_rises(self, b, jumps: dict, last_hi) -> list:
+        """A window that says a rail got SHIFT x costlier than its cost in use, while the
+        rail's last operation on its slowest hop cost no more than SHIFT x that, is the past:
+        a stall that is over (a loss burst that ended, an operation slowed by a hiccup).
+        Such a rail is held at the larger of its cost in use and its last cost, not raised
+        towards the window. Raised, a 200 Mbit/s rail back from a 2 s loss burst of 30 %
+        went from 0.49 of the split to 0.04-0.20 at the first table after its return and
+        took 4-6 s (one operation a second) to get its share back (4 hosts x 2 rails,
+        tests/test_failover.py). A rail whose stalls go on (steady loss) rises at the next
+        table whose last operation shows one, so its estimate still carries its stalls.
+        Returns the bounded estimates."""
+        b = list(b)
+        for r in self.live:
+            x, last = self.used_b[r], last_hi[r]
+            if r in jumps or not (_usable(x) and _usable(last) and _usable(b[r])):
+                continue
+            if b[r] > SHIFT * x and last <= SHIFT * x:
+                b[r] = max(x, last)
+        return b
+
     def _look_again_soon(self, jumps: dict) -> None:
         """A rail that just fell below the probing class (PROBE_RATIO x the best rail's cost)
         is probed again after one table without news, not PROBE_AFTER: what made it fall may
@@ -594,6 +626,16 @@ class RailState:
             if cost > PROBE_RATIO * best and self.used_b[r] <= PROBE_RATIO * was \
                     and not self.probed[r]:
                 self.probe_after[r] = 1
+
+    def _probe_due(self) -> bool:
+        """Is some live rail due for a probe (silent for its ``probe_after`` tables, priced
+        beyond the probing class)? Then the table moves the split even if no other rail's
+        windows are full yet: a rail left out by a jump after a 30 % loss burst waited for
+        the other rail's MIN_SAMPLES operations at the new split, 2.2 s, for its probe."""
+        best = self._best_in_use()
+        return _usable(best) and any(
+            self.silent[r] >= self.probe_after[r] and self.used_b[r] > PROBE_RATIO * best
+            for r in self.live)
 
     def _measured_probes(self, b, usable, counts, rec: "Recent | None") -> dict:
         """Probed rails that have been measured: {rail: cost}. The first PROBE_MEASURES
@@ -719,11 +761,8 @@ class RailState:
         # at the same split scales the cost in use, whatever the share's size
         last, rise = ((rec.last_lo[r], rec.rise_lo[r]) if slower_all
                       else self._hops_cost(r, rec, again))
-        # (not a cost no HOT table confirmed: COLD's first estimate of a rail whose equal
-        # share fit a token bucket's burst was 6x too cheap, and a rail sent back to it
-        # later took 0.0 of the split: 12 hosts x 90 + 30 Mbit/s, 1 MiB)
-        if share >= WORTH_SHARE / len(self.live) and self.confirmed[r]:
-            self.worth[r] = self.worth[r] or self.before[r]
+        if share >= WORTH_SHARE / len(self.live):
+            self._keep_worth(r, self.before[r], share)
         return max(c for c in (last, x * rise, x) if _usable(c))
 
     @staticmethod
@@ -882,12 +921,42 @@ class RailState:
             self.patience = MIN_SAMPLES
         elif turned:
             self.patience = min(WINDOW, self.patience * 2)
+        self._remember_worth(sb, jumps)
         self.used_a, self.used_b = sa, sb
         self.moved = True
         fields = self.weights_fields()
         if jumps:
             fields["shifted"] = sorted(jumps)
         return [("weights", fields)]
+
+    def _remember_worth(self, sb, jumps: dict) -> None:
+        """A rail that a damped move makes SHIFT x costlier at once is remembered at what it
+        was worth before, as a jump slower is (``_slower_jump``, same conditions: a confirmed
+        cost, at least WORTH_SHARE x an equal share), so the way back (``_way_back``) can
+        return it in one table. Without it, a rail raised to 4.8x by the operation that
+        straddled the end of a 2 s loss burst of 30 % came back only by the slack-bounded
+        damped steps: 0.17 -> 0.19 of the split in 5 s, where 0.5 was right (4 hosts x 2
+        rails of 200 Mbit/s)."""
+        shares = self.shares()
+        for r in self.live:
+            x = self.used_b[r]
+            if r not in jumps and _usable(x) and _usable(sb[r]) and sb[r] >= SHIFT * x \
+                    and shares[r] >= WORTH_SHARE / len(self.live):
+                self._keep_worth(r, x, shares[r])
+
+    def _keep_worth(self, r: int, cost: float, share: float) -> None:
+        """Remember ``cost`` as what rail ``r`` was worth before it slowed (unless a worth is
+        kept already), if a HOT table confirmed it, or if the rail slowed at a share no more
+        than SHIFT x COLD's equal one, at which such a cost was measured. Not a cost the
+        rail was found beyond at a far larger share: COLD's equal share of a 90 Mbit/s rail
+        fit a token bucket's burst, its estimate was 6x too cheap, HOT gave it most of the
+        message, and a jump back to that estimate gave the other rail nothing (12 hosts x 90
+        + 30 Mbit/s, 1 MiB). But a rail that slowed at its COLD share, at the first operation
+        after HOT began (a loss burst), is worth what it was: refused, it had no way back and
+        kept 0.21 of the split for the 6 s left of the run, where 0.5 was right (4 hosts x 2
+        rails of 200 Mbit/s)."""
+        if not self.worth[r] and (self.confirmed[r] or share <= SHIFT / len(self.live)):
+            self.worth[r] = cost
 
     def _saving(self, old, new) -> float:
         """What part of an operation's time a move from shares ``old`` to ``new`` saves, as

@@ -2,7 +2,8 @@
 and 3 rails, every result stays exact, no iteration is lost, detection and failover times are
 reported, failover stays under 200 ms for link-down and black hole, and a healed rail carries
 its share again within 2 s (the topology's verdict holds those bounds; this suite, which never
-reruns, fails beyond twice them: TIME_MARGIN). A loaded but healthy rail (slowed to 10 %) is never declared dead."""
+reruns, fails beyond twice them: TIME_MARGIN) and, after a loss burst, keeps it to the end
+(HEALED_SHARE). A loaded but healthy rail (slowed to 10 %) is never declared dead."""
 from __future__ import annotations
 
 import pytest
@@ -28,6 +29,11 @@ SHAPES = {"2x2": (2, 2), "2x3": (2, 3), "4x2": (4, 2), "4x3": (4, 3)}
 # (a detector falling back to the 1.5 s heartbeat, or to a 200 ms minimum RTO).
 TIME_BOUNDS = {"failover_ms": 200, "detection_ms": 200, "recovery_ms": 2000}
 TIME_MARGIN = 2.0
+# After a loss burst the rail carries at least this part of an equal share outside the burst
+# (rail_share over the steady state). recovery_ms alone asks for half its pre-fault share in
+# two windows, which a rail that kept 0.2-0.3 of the split after the burst (where 0.5 was
+# right, busbw 0.58 of the rail sum) met by chance in 7 runs of 8 and missed in the eighth.
+HEALED_SHARE = 0.7
 
 
 def topology(kind: str, hosts: int, rails: int, rate: str = "200mbit") -> str:
@@ -64,6 +70,10 @@ def test_fault_is_survived_exactly(kind, shape, tmp_path, no_leftovers):
         if metric in expected:
             assert m[metric] is not None, m.notes.get(metric)
             assert m[metric] <= TIME_MARGIN * bound, f"{metric}: {m[metric]:.0f} ms"
+    if kind == "loss-burst-30":
+        share = m["rail_share.r1"]
+        assert share is not None and share >= HEALED_SHARE / rails, \
+            f"r1 carried {share} of the bytes outside the burst ({rails} equal rails)"
 
 
 def test_a_slow_but_healthy_rail_stays_in_use(tmp_path, no_leftovers):

@@ -1002,8 +1002,12 @@ def test_a_rail_on_a_tiny_share_has_no_worth_to_jump_back_to():
     agreed(bal, bs, a=(1e-4,) * 4)
     one_op(bal, [[1e-8, 1e-8, 1e-8, 8e-7]] * 3, fall=(np.nan,) * 4)   # every hop: jumps
     assert bal.rs.used_b[3] == pytest.approx(8e-7)
-    one_op(bal, [[1e-8, 1e-8, 1e-8, 1e-7]] * 3, counts=6, fall=(1.0, 1.0, 1.0, 0.1))
-    assert bal.rs.used_b[3] == pytest.approx(8e-7)              # no jump back
+    evs = one_op(bal, [[1e-8, 1e-8, 1e-8, 1e-7]] * 3, counts=6, fall=(1.0, 1.0, 1.0, 0.1))
+    assert not any("shifted" in fields for _, fields in evs)    # no jump back
+    assert bal.rs.worth[3] == 0.0
+    # what it gets instead is its probe, one table after it fell below the probing class
+    assert bal.rs.probed[3] == balance.PROBE_MEASURES
+    assert bal.rs.used_b[3] == pytest.approx(balance.PROBE_RATIO * 1e-8)
 
 
 def test_estimates_can_be_read_while_samples_arrive():
@@ -1130,3 +1134,44 @@ def test_a_rail_whose_jump_back_leaves_it_beyond_the_probing_class_is_still_prob
             break
     assert bal.rs.probed[1], "never probed"
     assert bal.rs.shares()[1] > 0.02                            # a probing share, not a crumb
+
+
+def test_a_rail_back_from_a_stall_is_not_raised_by_its_window():
+    """The window still holds the operation a loss burst stalled (its estimate 20x the cost
+    in use), but the last operation cost what it did before on every hop: the burst is
+    over, and the rail keeps its share (raised, a 200 Mbit/s rail went from 0.5 of the split
+    to 0.04-0.2 after the burst had ended, and took 4-6 s to come back)."""
+    bal = hot([4e-8, 4e-8])
+    one_op(bal, [[4e-8, 4.2e-8]] * 3, counts=2, bs=[[4e-8, 8e-7]] * 3)
+    assert bal.rs.used_b[1] <= 4.2e-8                               # its last cost at most
+    # a stall that goes on (its last operation too) still raises it
+    one_op(bal, [[4e-8, 8e-7]] * 3, counts=2, bs=[[4e-8, 8e-7]] * 3, rise=[1.0, 1.0])
+    assert bal.rs.used_b[1] > 1.5 * 4e-8
+
+
+def test_a_rail_that_slowed_at_the_first_hot_operation_comes_back_at_once():
+    """A loss burst began right after HOT: no table confirmed the rail's cost, but it slowed
+    at COLD's equal share, where that cost was measured, so it is remembered as its worth;
+    when the burst ends, the first table that finds it back returns it there (without a
+    worth it kept 0.21 of the split, where 0.5 was right, for the 6 s left of the run)."""
+    bal = Balancer(2, "nezha")
+    agreed(bal, [4e-8, 4e-8])
+    assert bal.rs.state == "hot" and not bal.rs.confirmed[1]
+    one_op(bal, [[4e-8, 4e-6]] * 3, fall=(np.nan, np.nan))           # every hop: slower
+    assert bal.rs.used_b[1] > 1e-6 and bal.rs.worth[1] == pytest.approx(4e-8)
+    evs = one_op(bal, [[4e-8, 4e-8]] * 3)                           # back
+    assert any(1 in fields.get("shifted", ()) for _, fields in evs)
+    assert bal.rs.used_b[1] <= 4e-6 / balance.FALL_MAX              # on its way back
+
+
+def test_a_rail_left_out_by_a_jump_is_probed_before_the_others_windows_fill():
+    """A rail that jumped beyond the probing class (a loss burst) is probed one table later
+    (``_look_again_soon``) even though the other rails, restarted at the new split, have no
+    estimate yet: waiting for their MIN_SAMPLES operations kept a 200 Mbit/s rail out for
+    2.2 s after a 2 s loss burst of 30 % had ended (4 hosts x 2 rails)."""
+    bal = hot([4e-8, 4e-8])
+    one_op(bal, [[4e-8, 4e-5]] * 3)                                 # 1000x: left out
+    assert bal.rs.used_b[1] > balance.PROBE_RATIO * 4e-8
+    evs = one_op(bal, [[4e-8, np.nan]] * 3)          # no estimates yet; r1 carried nothing
+    assert evs and bal.rs.probed[1] == balance.PROBE_MEASURES
+    assert bal.rs.used_b[1] == pytest.approx(balance.PROBE_RATIO * 4e-8)
