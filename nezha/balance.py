@@ -122,6 +122,8 @@ PROBE_RATIO_MAX = 100.0  # a rail its last two probes found slower than PROBE_RA
                        # made two operations 1.6x slower (seed 20 of `testbed shapes`)
 EARLY_FALL = 0.8       # a rail done before the pace-setter moves at most this much cheaper per
                        # table by its estimate (_within_slack; jumps and probes have their own)
+EARLY_SLACK = 0.5      # a rail done this early whose cost is still COLD's may jump back
+                       # (_out_of_a_cold_stall)
 HOP_RISE_SAMPLES = 3   # one hop's rise counts from this many operations at a split (_slower_hops)
 HOLD = 2.0             # a rail that carries HOLD_SHARE of the split is charged overhead / HOLD
 HOLD_SHARE = 0.1       # (cost_split, RailState.hold): the stretch moves 2x between tables when
@@ -447,6 +449,8 @@ class RailState:
         # per rail: the split (not a probe) has carried it since HOT began: such a rail can be
         # fast, and what made it slow (a loss burst) may pass at any moment (_probe_cost)
         self.carried = [False] * nrails
+        # per rail: its cost in use is still what COLD measured (no jump, no HOT table agreed)
+        self.from_cold = [False] * nrails
         self.shift = [0] * nrails         # per rail: the last table's sign of change (_shifts)
         self.slow_hops: list = [frozenset()] * nrails   # ...and the hops it found slower
         self.worth = [0.0] * nrails       # per rail: its cost before it last slowed (_shifts)
@@ -476,6 +480,7 @@ class RailState:
         self.probe_after = [PROBE_AFTER] * self.nrails
         self.probe_found = [[] for _ in range(self.nrails)]
         self.carried = [False] * self.nrails
+        self.from_cold = [False] * self.nrails
         self.reason = reason
         return [("state", {"state": COLD, "reason": reason})] if changed else []
 
@@ -744,6 +749,8 @@ class RailState:
                 way = 0
                 self.worth[r] = 0.0 if out[r] == self.worth[r] else self.worth[r]
                 self.backed[r] = True
+            if r in out:
+                self.from_cold[r] = False
             self.shift[r] = way
         return out
 
@@ -816,7 +823,7 @@ class RailState:
         instead of 0.37. Damped steps move it."""
         worth = self.worth[r]
         if not worth:
-            return None, False
+            return self._out_of_a_cold_stall(r, rec, x, hi)
         # no hop cheaper than before at this split: a share-size effect. (Not "some hop no
         # cheaper": a hop that never slowed never gets cheaper, so one host's link back from
         # a slowdown, h2.r0 on 3 x 2, waited a table more at its slow share.) Unless some
@@ -832,6 +839,25 @@ class RailState:
             target = math.sqrt(x * hi) if cheaper and not back else worth
             return max(target, x / FALL_MAX), True
         return None, back or cheaper
+
+    def _out_of_a_cold_stall(self, r: int, rec: Recent, x: float, hi: float) -> tuple:
+        """_way_back for a rail without a worth whose cost in use is still COLD's (no jump, no
+        table agreed with it), when its last operation was SHIFT x cheaper on every hop and it
+        was done early (slack at least EARLY_SLACK): COLD measured it in a bad moment (a loss
+        burst during the first operations). It jumps half way on a log scale, and what it
+        costs now becomes its worth, so the next table returns it there, or, if the next
+        operation finds it slower after all (a share that fit a token bucket's burst), sends
+        it back up and doubts it (``_shifts``). Without it such a rail came back only by
+        damped steps that its slack bounds to EARLY_FALL a table: 0.19-0.23 of the split for
+        the 5 s left of the run, where 0.5 was right (4 hosts x 2 rails, HOT 1.7 s into a 2 s
+        loss burst of 30 % with one core kept busy)."""
+        slack = rec.slack_lo[r]
+        rose = _usable(rec.rise_hi[r]) and rec.rise_hi[r] >= SHIFT
+        if rose or not (self.from_cold[r] and not self.confirmed[r] and _usable(hi)
+                        and hi <= x / SHIFT and _usable(slack) and slack >= EARLY_SLACK):
+            return None, False
+        self.worth[r] = hi
+        return max(math.sqrt(x * hi), x / FALL_MAX), True
 
     def _take_start_up_falls(self, a) -> None:
         """A start-up cost that fell is taken at once, with or without a move of the split
@@ -864,6 +890,7 @@ class RailState:
         # a rail measured now counts as found by a probe (``_probe_cost``): COLD's equal
         # shares are large, and a rail they found slow need not be overloaded twice
         self.probe_found = [[b[r]] if r in news else [] for r in range(self.nrails)]
+        self.from_cold = [r in news for r in range(self.nrails)]
         self._probing_start_up(self.used_a)
         self.moved = True
         self.reason = "estimates for every rail"

@@ -1175,3 +1175,24 @@ def test_a_rail_left_out_by_a_jump_is_probed_before_the_others_windows_fill():
     evs = one_op(bal, [[4e-8, np.nan]] * 3)          # no estimates yet; r1 carried nothing
     assert evs and bal.rs.probed[1] == balance.PROBE_MEASURES
     assert bal.rs.used_b[1] == pytest.approx(balance.PROBE_RATIO * 4e-8)
+
+
+def test_a_rail_cold_measured_in_a_stall_comes_back_when_it_is_done_early():
+    """HOT began during a loss burst, with COLD's cost of r1 4.5x what it is worth and no
+    worth to go back to. Once the burst is over, r1's operations cost a quarter of that on
+    every hop and it is done far before r0 (slack 0.86): it jumps half way (log scale), then
+    to what it costs now. Done early by little (slack 0.1), it does not: that is a share-size
+    effect the damped steps handle (it stayed at 0.19-0.23 of the split for 5 s)."""
+    bal = Balancer(2, "nezha")
+    agreed(bal, [4e-8, 1.8e-7])
+    assert bal.rs.state == "hot" and bal.rs.worth[1] == 0.0
+    evs = one_op(bal, [[4e-8, 4e-8]] * 3, counts=2, slack=[0.0, 0.86])
+    assert any(1 in fields.get("shifted", ()) for _, fields in evs)
+    assert bal.rs.used_b[1] == pytest.approx(math.sqrt(1.8e-7 * 4e-8))
+    one_op(bal, [[4e-8, 4e-8]] * 3, slack=[0.0, 0.6])
+    assert bal.rs.used_b[1] == pytest.approx(4e-8)
+    bal = Balancer(2, "nezha")
+    agreed(bal, [4e-8, 1.8e-7])
+    evs = one_op(bal, [[4e-8, 4e-8]] * 3, counts=2, slack=[0.0, 0.1])
+    assert not any("shifted" in fields for _, fields in evs)
+    assert bal.rs.used_b[1] > 1.2e-7
