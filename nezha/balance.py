@@ -638,9 +638,13 @@ class RailState:
         windows are full yet: a rail left out by a jump after a 30 % loss burst waited for
         the other rail's MIN_SAMPLES operations at the new split, 2.2 s, for its probe."""
         best = self._best_in_use()
-        return _usable(best) and any(
-            self.silent[r] >= self.probe_after[r] and self.used_b[r] > PROBE_RATIO * best
-            for r in self.live)
+        return _usable(best) and any(self._probe_is_due(r, self.used_b[r], best)
+                                     for r in self.live)
+
+    def _probe_is_due(self, r: int, cost: float, best: float) -> bool:
+        """Rail ``r`` at ``cost`` has been silent for its ``probe_after`` tables and is
+        priced beyond the probing class: its next table probes it (``_damped_move``)."""
+        return self.silent[r] >= self.probe_after[r] and cost > PROBE_RATIO * best
 
     def _measured_probes(self, b, usable, counts, rec: "Recent | None") -> dict:
         """Probed rails that have been measured: {rail: cost}. The first PROBE_MEASURES
@@ -768,8 +772,7 @@ class RailState:
         # at the same split scales the cost in use, whatever the share's size
         last, rise = ((rec.last_lo[r], rec.rise_lo[r]) if slower_all
                       else self._hops_cost(r, rec, again))
-        if share >= WORTH_SHARE / len(self.live):
-            self._keep_worth(r, self.before[r], share)
+        self._keep_worth(r, self.before[r], share)
         return max(c for c in (last, x * rise, x) if _usable(c))
 
     @staticmethod
@@ -924,8 +927,7 @@ class RailState:
             # worth by its crumb's cost, jumped back by FALL_MAX (to 45x) at every table, each
             # dropped, and was never probed (2 hosts x 2 rails: one rail for 5.7 s)
             news_of_it = r in jumps and jumps[r] >= self.used_b[r]
-            if not news_of_it and self.silent[r] >= self.probe_after[r] \
-                    and sb[r] > PROBE_RATIO * best:
+            if not news_of_it and self._probe_is_due(r, sb[r], best):
                 sb[r] = min(sb[r], self._probe_cost(r, best))
                 self.silent[r] = 0
                 self.probed[r], probing = PROBE_MEASURES, True
@@ -958,23 +960,23 @@ class RailState:
 
     def _remember_worth(self, sb, jumps: dict) -> None:
         """A rail that a damped move makes SHIFT x costlier at once is remembered at what it
-        was worth before, as a jump slower is (``_slower_jump``, same conditions: a confirmed
-        cost, at least WORTH_SHARE x an equal share), so the way back (``_way_back``) can
-        return it in one table. Without it, a rail raised to 4.8x by the operation that
+        was worth before, as a jump slower is (``_slower_jump``; on the same conditions,
+        ``_keep_worth``), so the way back (``_way_back``) can return it in one table. Without it, a rail raised to 4.8x by the operation that
         straddled the end of a 2 s loss burst of 30 % came back only by the slack-bounded
         damped steps: 0.17 -> 0.19 of the split in 5 s, where 0.5 was right (4 hosts x 2
         rails of 200 Mbit/s)."""
         shares = self.shares()
         for r in self.live:
             x = self.used_b[r]
-            if r not in jumps and _usable(x) and _usable(sb[r]) and sb[r] >= SHIFT * x \
-                    and shares[r] >= WORTH_SHARE / len(self.live):
+            if r not in jumps and _usable(x) and _usable(sb[r]) and sb[r] >= SHIFT * x:
                 self._keep_worth(r, x, shares[r])
 
     def _keep_worth(self, r: int, cost: float, share: float) -> None:
-        """Remember ``cost`` as what rail ``r`` was worth before it slowed (unless a worth is
-        kept already), if a HOT table confirmed it, or if the rail slowed at a share no more
-        than SHIFT x COLD's equal one, at which such a cost was measured. Not a cost the
+        """Remember ``cost`` as what rail ``r``, slowing at ``share`` of the split, was worth
+        before (unless a worth is kept already). Only from a share of at least WORTH_SHARE x
+        an equal one (on 14 rails, 10 Mbit/s rails whose worth came from 2 % probing shares
+        jumped back to twice their share), and only a cost a HOT table confirmed, or one the
+        rail had at a share no more than SHIFT x COLD's equal one, where it was measured. Not a cost the
         rail was found beyond at a far larger share: COLD's equal share of a 90 Mbit/s rail
         fit a token bucket's burst, its estimate was 6x too cheap, HOT gave it most of the
         message, and a jump back to that estimate gave the other rail nothing (12 hosts x 90
@@ -982,7 +984,9 @@ class RailState:
         after HOT began (a loss burst), is worth what it was: refused, it had no way back and
         kept 0.21 of the split for the 6 s left of the run, where 0.5 was right (4 hosts x 2
         rails of 200 Mbit/s)."""
-        if not self.worth[r] and (self.confirmed[r] or share <= SHIFT / len(self.live)):
+        n = len(self.live)
+        if not self.worth[r] and share >= WORTH_SHARE / n \
+                and (self.confirmed[r] or share <= SHIFT / n):
             self.worth[r] = cost
 
     def _saving(self, old, new) -> float:

@@ -1144,7 +1144,7 @@ def test_a_rail_back_from_a_stall_is_not_raised_by_its_window():
     bal = hot([4e-8, 4e-8])
     one_op(bal, [[4e-8, 4.2e-8]] * 3, counts=2, bs=[[4e-8, 8e-7]] * 3)
     assert bal.rs.used_b[1] <= 4.2e-8                               # its last cost at most
-    # a stall that goes on (its last operation too) still raises it
+    # a stall that goes on (its last operation too, on every hop) still raises it, by a jump
     one_op(bal, [[4e-8, 8e-7]] * 3, counts=2, bs=[[4e-8, 8e-7]] * 3, rise=[1.0, 1.0])
     assert bal.rs.used_b[1] > 1.5 * 4e-8
 
@@ -1196,3 +1196,19 @@ def test_a_rail_cold_measured_in_a_stall_comes_back_when_it_is_done_early():
     evs = one_op(bal, [[4e-8, 4e-8]] * 3, counts=2, slack=[0.0, 0.1])
     assert not any("shifted" in fields for _, fields in evs)
     assert bal.rs.used_b[1] > 1.2e-7
+
+
+def test_a_rail_a_damped_move_raised_remembers_its_worth_and_comes_back():
+    """One hop's estimate says r1 got 4x costlier (not every hop, so no jump): the damped
+    move raises it more than SHIFT x, and what it was worth is remembered, so the first
+    table that finds it back on every hop returns it there at once (without, a rail raised
+    by the operation that straddled the end of a loss burst crawled back by slack-bounded
+    steps: 0.17 -> 0.19 of the split in 5 s, where 0.5 was right)."""
+    bal = hot([4e-8, 4e-8])
+    lasts = [[4e-8, 4e-8], [4e-8, 1.6e-7], [4e-8, 4e-8]]
+    evs = one_op(bal, lasts, counts=2, bs=[[4e-8, 1.6e-7]] * 3)
+    assert evs and not any("shifted" in fields for _, fields in evs)   # a damped move
+    assert bal.rs.used_b[1] >= balance.SHIFT * 4e-8 and bal.rs.worth[1] == pytest.approx(4e-8)
+    evs = one_op(bal, [[4e-8, 4e-8]] * 3)                           # back on every hop
+    assert any(1 in fields.get("shifted", ()) for _, fields in evs)
+    assert bal.rs.used_b[1] == pytest.approx(4e-8)
