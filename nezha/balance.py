@@ -461,6 +461,7 @@ class RailState:
         self.doubted = [False] * nrails   # per rail: a jump back of it proved wrong (_shifts)
         self.patience = MIN_SAMPLES       # samples a table needs to move a rail by a step
         self.moved = False        # the last table changed the model in use
+        self.stale_a: frozenset = frozenset()   # rails whose start-up samples the move voids
         self.overhead = RAIL_CPU_S   # agreed seconds one more rail adds to a message
         self.block = 0               # bytes of the last message split in HOT (applied_shares)
         self.reason = "start"
@@ -514,6 +515,7 @@ class RailState:
         estimates span ``patience`` operations."""
         self.a = list(a)
         self.moved = False
+        self.stale_a = frozenset()
         live = self.live
         usable = [r for r in live if counts[r] >= MIN_SAMPLES and b[r] > 0]
         best = self._best_in_use() if self.state == HOT else float("nan")
@@ -933,6 +935,7 @@ class RailState:
                 self.probed[r], probing = PROBE_MEASURES, True
                 self.probe_after[r] = min(PROBE_AFTER_MAX, 2 * self.probe_after[r])
         self._probing_start_up(sa)
+        self._hold_start_up_of_slowed(sa, sb)
         old = self.shares(REF_SIZE)
         new = self._model_shares(REF_SIZE, sa, sb)
         # judged by where the estimates lead, not by the damped step alone: half steps each
@@ -957,6 +960,21 @@ class RailState:
         if jumps:
             fields["shifted"] = sorted(jumps)
         return [("weights", fields)]
+
+    def _hold_start_up_of_slowed(self, sa, sb) -> None:
+        """A rail this move makes SHIFT x costlier per byte keeps its start-up cost in use,
+        and its start-up samples so far are dropped (``stale_a``; Balancer.agree): taken
+        while it slowed, they time the backlog that its old share left queued at the new
+        rate, which the per-byte cost now prices. Taken as start-up, a 4-byte message's
+        85 ms behind that backlog (a 200 Mbit/s rail cut to 50) gave the rail no share
+        of a 2 MiB block for 2 s, where a quarter of its old one was right (3 hosts x 3
+        rails, one core kept busy). A start-up that really rose (a longer path) is
+        measured again at the new split."""
+        self.stale_a = frozenset(
+            r for r in self.live
+            if _usable(self.used_b[r]) and _usable(sb[r]) and sb[r] >= SHIFT * self.used_b[r])
+        for r in self.stale_a:
+            sa[r] = min(sa[r], self.used_a[r])
 
     def _remember_worth(self, sb, jumps: dict) -> None:
         """A rail that a damped move makes SHIFT x costlier at once is remembered at what it
@@ -1183,6 +1201,8 @@ class Balancer:
         if self.rs.moved:
             # the samples so far describe the old split: measure the new one afresh
             self._restart_windows()
+            for r in self.rs.stale_a:
+                self.est[r].a_window.clear()
         return evs
 
     def note_op(self, nbytes: int = 0):

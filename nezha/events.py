@@ -41,6 +41,9 @@ Event names and their fields (``rail`` is the rail index, ``peer`` a rank):
   call / op_start / op_end   kind, bytes, [op]           (only with log_ops / NEZHA_LOG_OPS=1)
   b_sample        rail, bytes, seconds, op               (an operation's cost sample on a rail,
                                                          costs.py; only with NEZHA_DEBUG_SAMPLES=1)
+  a_sample        rail, share, dst, seconds, b, op, step (a start-up sample: a small share's send
+                                                         to last ACK, seconds, before b x share is
+                                                         taken off; engine/send.py, the same flag)
   tx / rx         rail, peer, op, step, off, len, t0     (one per chunk, only with NEZHA_TRACE=1)
   close
 CLOCK_MONOTONIC is shared by all network namespaces of one machine, so logs of several

@@ -28,7 +28,7 @@ class Engine(Receiving, Sending, Agreement, Failover, Hedging):
         self.timeout = config.timeout
         self.staging_limit = config.staging_limit
         self.scratch = Scratch()     # the ring's receive buffer (collectives._Ring)
-        self.debug_samples = config.debug_samples   # a b_sample event per rate sample
+        self.debug_samples = config.debug_samples   # b_sample / a_sample events per sample
         self.hedging = config.hedge                 # engine/hedge.py (NEZHA_HEDGE=0: off)
         self.trace = config.trace                   # a tx/rx event per chunk
         self.conns: dict[tuple[int, int], object] = {}

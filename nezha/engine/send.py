@@ -170,3 +170,7 @@ class Sending:
                 b = self.balancer.est[rail].b if rail < len(self.balancer.est) else float("nan")
                 if b == b:
                     self.balancer.record_a(rail, now - msg.t0[rail] - share * b)
+                    if self.debug_samples:
+                        self.events.emit("a_sample", rail=rail, share=share, dst=msg.dst,
+                                         seconds=now - msg.t0[rail], b=b, op=msg.key[0],
+                                         step=msg.key[1])

@@ -177,18 +177,19 @@ def hot(bs):
 
 
 def one_op(bal, lasts, world=3, counts=1, fall=(np.nan, np.nan), rise=None, tail=None,
-           rises=None, bs=None, tail_rise=None, slack=None):
+           rises=None, bs=None, tail_rise=None, slack=None, a=None):
     """A table after ``counts`` operations at the same split: ``lasts[rank][rail]`` is the
     last one's cost per byte, ``fall[rail]`` the fall, ``rise`` (per rail; default 1 after
     two operations) the rise, ``tail`` and ``tail_rise`` (per rail; default unknown) the
     tail's cost and its rise (RailEstimator), on every rank; ``rises`` and ``bs`` (per rank
     and rail) a rise and an estimate that differ between ranks (default: ``rise``, none);
-    ``slack`` (per rail; default unknown) the rail's slack on every rank."""
+    ``slack`` (per rail; default unknown) the rail's slack on every rank; ``a`` (per rail;
+    default 0.1 ms) the start-up cost on every rank."""
     t = np.full((world, len(lasts[0]), balance.TABLE_COLUMNS), np.nan)
     rise = rise or [1.0 if counts > 1 else np.nan] * len(lasts[0])
     for p in range(world):
         for r, x in enumerate(lasts[p]):
-            t[p, r, :6] = (1e-4, bs[p][r] if bs else np.nan, counts, x,
+            t[p, r, :6] = (a[r] if a else 1e-4, bs[p][r] if bs else np.nan, counts, x,
                            rises[p][r] if rises else rise[r], fall[r])
             t[p, r, balance.TAIL_COLUMN] = tail[r] if tail else np.nan
             t[p, r, balance.TAIL_RISE_COLUMN] = tail_rise[r] if tail_rise else np.nan
@@ -1212,3 +1213,22 @@ def test_a_rail_a_damped_move_raised_remembers_its_worth_and_comes_back():
     evs = one_op(bal, [[4e-8, 4e-8]] * 3)                           # back on every hop
     assert any(1 in fields.get("shifted", ()) for _, fields in evs)
     assert bal.rs.used_b[1] == pytest.approx(4e-8)
+
+
+def test_a_rail_that_slows_keeps_its_start_up_and_forgets_the_samples_taken_meanwhile():
+    # 3 hosts x 3 rails of 200 Mbit/s, r1 cut to 50 with one core kept busy: 4-byte control
+    # messages waited 85 ms on r1 behind the backlog queued at the new rate, and taken as
+    # r1's start-up that gave it nothing of a 2 MiB ring block for 2 s
+    bal = hot([4e-8, 4e-8, 4e-8])
+    bal.est[1].record_a(0.085)
+    evs = one_op(bal, [[4e-8, 1.6e-7, 4e-8]] * 3, fall=(np.nan,) * 3,
+                 a=[2e-3, 0.085, 1e-4])
+    assert evs and evs[0][1]["shifted"] == [1]
+    assert bal.rs.used_b[1] == pytest.approx(1.6e-7)
+    assert bal.rs.used_a[1] == pytest.approx(1e-4)
+    assert math.isnan(bal.est[1].fresh_a())
+    block = 2 << 20
+    r1 = {r: n for r, _, n in bal.split(block, 4)}.get(1, 0)
+    assert r1 == pytest.approx(block / 9, rel=0.15)
+    # a rail that did not slow takes a start-up that rose, damped (a longer path)
+    assert bal.rs.used_a[0] == pytest.approx((1e-4 + 2e-3) / 2)
