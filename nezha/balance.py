@@ -106,6 +106,7 @@ MIN_SAMPLES = 2
 EXCH_PERIOD_S = 0.1    # in HOT, exchange once the ops since the last one should have taken this
 SHIFT = 1.5            # a rail's last operation this far off is a change, not noise (_shifts)
 FALL_MAX = 4.0         # ...and a rail that got faster jumps to at most this many times cheaper
+REJUMP = 1.2           # a rail that jumped slower jumps again if every hop says this x more
 FALL_SAMPLES = 6       # operations at one split before a rail can tell it got faster
 WORTH_SHARE = 0.5      # a rail's worth is remembered only from at least this x an equal share
 STEP_START = 0.5       # a table moves a rail's cost in use half way towards it at first,
@@ -453,6 +454,7 @@ class RailState:
         self.from_cold = [False] * nrails
         self.shift = [0] * nrails         # per rail: the last table's sign of change (_shifts)
         self.slow_hops: list = [frozenset()] * nrails   # ...and the hops it found slower
+        self.jumped = [False] * nrails    # per rail: the last table made it jump slower
         self.worth = [0.0] * nrails       # per rail: its cost before it last slowed (_shifts)
         self.before = [0.0] * nrails      # per rail: its cost in use when it began to look slower
         self.confirmed = [False] * nrails  # per rail: a HOT table agreed with its cost in use
@@ -733,6 +735,7 @@ class RailState:
             if not _usable(hi):
                 self.shift[r] = 0
                 self.slow_hops[r] = frozenset()
+                self.jumped[r] = False
                 continue
             slower_all = rec.last_lo[r] >= SHIFT * x or rec.rise_lo[r] >= SHIFT
             slower = hi >= SHIFT * x or rec.rise_hi[r] >= SHIFT
@@ -764,17 +767,24 @@ class RailState:
                      share: float) -> float | None:
         """Rail ``r``'s new cost if it jumps slower at this table (every hop slower, or the
         same hop in this table and the one before), else None; remembers the hops that said
-        so, and what the rail was worth before it slowed."""
+        so, and what the rail was worth before it slowed. A rail that jumped at the last
+        table jumps again once every hop says it costs REJUMP x more still: the operation
+        in which it slowed was part fast, and a first jump to 2.8x (a rail cut to a quarter,
+        3 x 3) left a rest of 1.43x, under SHIFT, that damped steps took 1.1 s more to
+        follow."""
         hops = self._slower_hops(r, rec, x) if slower else frozenset()
         again = hops & self.slow_hops[r]
         self.slow_hops[r] = hops
-        if not (slower_all or (again and self.shift[r] > 0)):
+        rest = self.jumped[r] and _usable(rec.last_lo[r]) and rec.last_lo[r] >= REJUMP * x
+        self.jumped[r] = False
+        if not (slower_all or rest or (again and self.shift[r] > 0)):
             return None
         # every hop at least this slow (the slowest may also carry a hedge's cost); a rise
         # at the same split scales the cost in use, whatever the share's size
-        last, rise = ((rec.last_lo[r], rec.rise_lo[r]) if slower_all
+        last, rise = ((rec.last_lo[r], rec.rise_lo[r]) if slower_all or rest
                       else self._hops_cost(r, rec, again))
         self._keep_worth(r, self.before[r], share)
+        self.jumped[r] = True
         return max(c for c in (last, x * rise, x) if _usable(c))
 
     @staticmethod

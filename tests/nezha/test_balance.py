@@ -322,6 +322,32 @@ def test_a_rail_whose_first_jump_fell_short_jumps_again_at_the_next_table():
     assert bal.rs.used_b[1] == pytest.approx(4.2e-8)
 
 
+def test_a_rail_whose_first_jump_fell_short_by_less_than_a_shift_jumps_the_rest():
+    # 3 x 3 rails of 200 Mbit/s, r1 cut to 50: the operation of the cut took it to 2.8x, the
+    # next one, all at the new rate, said 1.43x more (under SHIFT): damped steps took 1.1 s
+    bal = hot([1e-8, 1e-8, 1e-8])
+    nan3 = (np.nan,) * 3
+    one_op(bal, [[1e-8, 2.8e-8, 1e-8]] * 3, fall=nan3)
+    assert bal.rs.used_b[1] == pytest.approx(2.8e-8)
+    evs = one_op(bal, [[1e-8, 4e-8, 1e-8]] * 3, fall=nan3)
+    assert evs[0][1]["shifted"] == [1] and bal.rs.used_b[1] == pytest.approx(4e-8)
+    # once only: the jump after the rest is a table ago; 1.43x more again is a damped step
+    one_op(bal, [[1e-8, 4e-8, 1e-8]] * 3, fall=nan3, counts=2)
+    evs = one_op(bal, [[1e-8, 5.7e-8, 1e-8]] * 3, fall=nan3, counts=3)
+    assert not evs or "shifted" not in evs[0][1]
+    # a rail that did not jump, or whose slowest hop alone says more, is not followed at once
+    for lasts in ([[1e-8, 1.43e-8, 1e-8]] * 3,
+                  [[1e-8, 2.8e-8, 1e-8]] * 3 + [[1e-8, 4e-8, 1e-8]]):
+        bal = hot([1e-8, 1e-8, 1e-8])
+        if len(lasts) > 3:
+            one_op(bal, lasts[:3], fall=nan3)
+            lasts = [[1e-8, 2.8e-8, 1e-8]] * 2 + [[1e-8, 4e-8, 1e-8]]
+        was = bal.rs.used_b[1]
+        evs = one_op(bal, lasts, fall=nan3)
+        assert not evs or "shifted" not in evs[0][1]
+        assert bal.rs.used_b[1] < 1.3 * was
+
+
 def test_one_slow_hop_must_show_twice_and_a_faster_rail_at_the_same_split():
     bal = hot([1e-8, 1e-8])
     slow_hop = [[1e-8, 1e-8], [1e-8, 4e-8], [1e-8, 1e-8]]   # rank 1's hop on rail 1 only
