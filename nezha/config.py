@@ -45,7 +45,8 @@ NEZHA_CHECK_TIMEOUT_MS      float    100             wait for the peer's "bytes 
 NEZHA_HEARTBEAT_MS          float    250             idle time after which a HEARTBEAT is sent
 NEZHA_HEARTBEAT_TIMEOUT_MS  float    1500            silence after which a connection fails
 NEZHA_LINK_EVENTS           flag     1               0: no netlink link-event watcher
-NEZHA_DEBUG_SAMPLES         flag     off             any non-empty value: b_sample and a_sample events
+NEZHA_DEBUG_SAMPLES         flag     off             any non-empty value: b_sample and
+                                                     a_sample events
 NEZHA_HEDGE                 flag     1               0: never copy a late share onto a finished
                                                      rail (engine/hedge.py)
 NEZHA_SHARES                list     (equal)         stripe: the split pinned, one proportion per
