@@ -397,6 +397,10 @@ class RailEstimator:
             return float("nan")
         return max(costs[-2:]) / float(np.median(costs[1:-2]))
 
+    def forget_a(self):
+        """Drop the start-up samples (RailState._hold_start_up_of_slowed)."""
+        self.a_window.clear()
+
     def reset(self):
         self.b_window.clear()
         self.slack_window.clear()
@@ -980,32 +984,36 @@ class RailState:
         of a 2 MiB block for 2 s, where a quarter of its old one was right (3 hosts x 3
         rails, one core kept busy). A start-up that really rose (a longer path) is
         measured again at the new split."""
-        self.stale_a = frozenset(
-            r for r in self.live
-            if _usable(self.used_b[r]) and _usable(sb[r]) and sb[r] >= SHIFT * self.used_b[r])
+        self.stale_a = frozenset(self._raised(sb))
         for r in self.stale_a:
             sa[r] = min(sa[r], self.used_a[r])
 
     def _remember_worth(self, sb, jumps: dict) -> None:
         """A rail that a damped move makes SHIFT x costlier at once is remembered at what it
         was worth before, as a jump slower is (``_slower_jump``; on the same conditions,
-        ``_keep_worth``), so the way back (``_way_back``) can return it in one table. Without it, a rail raised to 4.8x by the operation that
+        ``_keep_worth``), so the way back (``_way_back``) can return it in one table.
+        Without it, a rail raised to 4.8x by the operation that
         straddled the end of a 2 s loss burst of 30 % came back only by the slack-bounded
         damped steps: 0.17 -> 0.19 of the split in 5 s, where 0.5 was right (4 hosts x 2
         rails of 200 Mbit/s)."""
         shares = self.shares()
-        for r in self.live:
-            x = self.used_b[r]
-            if r not in jumps and _usable(x) and _usable(sb[r]) and sb[r] >= SHIFT * x:
-                self._keep_worth(r, x, shares[r])
+        for r in self._raised(sb):
+            if r not in jumps:
+                self._keep_worth(r, self.used_b[r], shares[r])
+
+    def _raised(self, sb) -> list:
+        """The live rails that costs ``sb`` make SHIFT x costlier than their cost in use."""
+        return [r for r in self.live if _usable(self.used_b[r]) and _usable(sb[r])
+                and sb[r] >= SHIFT * self.used_b[r]]
 
     def _keep_worth(self, r: int, cost: float, share: float) -> None:
         """Remember ``cost`` as what rail ``r``, slowing at ``share`` of the split, was worth
         before (unless a worth is kept already). Only from a share of at least WORTH_SHARE x
         an equal one (on 14 rails, 10 Mbit/s rails whose worth came from 2 % probing shares
         jumped back to twice their share), and only a cost a HOT table confirmed, or one the
-        rail had at a share no more than SHIFT x COLD's equal one, where it was measured. Not a cost the
-        rail was found beyond at a far larger share: COLD's equal share of a 90 Mbit/s rail
+        rail had at a share no more than SHIFT x COLD's equal one, where it was measured.
+        Not a cost the rail was found beyond at a far larger share: COLD's equal share of a
+        90 Mbit/s rail
         fit a token bucket's burst, its estimate was 6x too cheap, HOT gave it most of the
         message, and a jump back to that estimate gave the other rail nothing (12 hosts x 90
         + 30 Mbit/s, 1 MiB). But a rail that slowed at its COLD share, at the first operation
@@ -1212,7 +1220,7 @@ class Balancer:
             # the samples so far describe the old split: measure the new one afresh
             self._restart_windows()
             for r in self.rs.stale_a:
-                self.est[r].a_window.clear()
+                self.est[r].forget_a()
         return evs
 
     def note_op(self, nbytes: int = 0):

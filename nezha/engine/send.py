@@ -169,8 +169,8 @@ class Sending:
             if all(c.acked for c in msg.chunks if c.rail == rail):
                 b = self.balancer.est[rail].b if rail < len(self.balancer.est) else float("nan")
                 if b == b:
-                    self.balancer.record_a(rail, now - msg.t0[rail] - share * b)
+                    seconds = now - msg.t0[rail]
+                    self.balancer.record_a(rail, seconds - share * b)
                     if self.debug_samples:
                         self.events.emit("a_sample", rail=rail, share=share, dst=msg.dst,
-                                         seconds=now - msg.t0[rail], b=b, op=msg.key[0],
-                                         step=msg.key[1])
+                                         seconds=seconds, b=b, op=msg.key[0], step=msg.key[1])
