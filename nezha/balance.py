@@ -91,6 +91,7 @@ import numpy as np
 from .config import Config
 from .cpuload import RunQueueStretch
 from .costs import gives_samples
+from .trial import OverheadTrial
 
 COLD, HOT = "cold", "hot"
 
@@ -147,11 +148,12 @@ SPLIT_SMALL_S = 10e-3  # ...unless that rail would take this long (Balancer.spli
 RAIL_CPU_S = Config.rail_cpu_us * 1e-6
 EXCH_MIN_BYTES = 128 << 10
 REF_SIZE = 16 << 20
-TABLE_COLUMNS = 10     # a rank's table per rail: a, b, samples, last, rise, fall (RailEstimator),
+TABLE_COLUMNS = 11     # a rank's table per rail: a, b, samples, last, rise, fall (RailEstimator),
 OVERHEAD_COLUMN = 6    # ...the rank's rail overhead (the same in every row),
 TAIL_COLUMN = 7        # ...the cost of the last operation's tail (RailEstimator.tail),
 TAIL_RISE_COLUMN = 8   # ...that tail over the earlier operations at the same split
-SLACK_COLUMN = 9       # ...and the rail's slack over the window (RailEstimator.slack)
+SLACK_COLUMN = 9       # ...the rail's slack over the window (RailEstimator.slack)
+OP_TIME_COLUMN = 10    # ...and the rank's operation time per byte since the last table (trial.py)
 
 
 def cost_split(nbytes: int, a, b, elem: int = 1, overhead: float = 0.0,
@@ -1102,10 +1104,15 @@ class RailState:
         the model's split with no overhead (what the damping and the hysteresis judge)."""
         if self.state != HOT or not self.block:
             return self.shares()
+        return [x / self.block for x in self.split_block(self.overhead)]
+
+    def split_block(self, overhead: float, held: bool = True) -> list:
+        """The HOT split of the last block cut (bytes per rail) with the rail ``overhead``
+        given (and the rails held by the last table, or none)."""
         aa = [self.used_a[r] if r in self.live else 0.0 for r in range(self.nrails)]
         bb = [self.used_b[r] if r in self.live else float("nan") for r in range(self.nrails)]
-        s = cost_split(self.block, aa, bb, 1, self.overhead, self.probing(), self.held)
-        return [x / self.block for x in s]
+        return cost_split(self.block, aa, bb, 1, overhead, self.probing(),
+                          self.held if held else ())
 
     def weights_fields(self):
         return {"shares": [round(x, 4) for x in self.applied_shares()], "state": self.state,
@@ -1137,6 +1144,9 @@ class Balancer:
         self.rs = RailState(nrails)
         self.rs.overhead = rail_cpu_s
         self.stretch = RunQueueStretch()
+        self.trial = OverheadTrial()   # whether the overhead is counted (trial.py)
+        self.agreed_overhead = rail_cpu_s   # the agreed rail overhead, before the trial's scale
+        self.op_times: list = []       # this rank's op seconds per byte since the last table
         self.ops_since_exchange = 0
         self.pending_s = 0.0     # what the ops since the last exchange should have taken
         self.unsettled = False   # the last table moved the split (or entered HOT)
@@ -1151,12 +1161,14 @@ class Balancer:
     # ---- agreement
     def local_table(self) -> np.ndarray:
         """This rank's [a, b, samples, last, rise, fall] per rail (see RailEstimator), its
-        rail overhead, the last operation's tail cost and its tail rise."""
+        rail overhead, the last operation's tail cost and its tail rise, and the rank's
+        operation time per byte since the last table."""
         t = np.zeros((self.nrails, TABLE_COLUMNS), dtype=np.float64)
         over = rail_overhead(self.rail_cpu_s, self.stretch.sample())
+        op_time = float(np.median(self.op_times)) if self.op_times else float("nan")
         for r, e in enumerate(self.est):
             t[r] = (e.fresh_a(), e.b, len(e.b_window), e.last,
-                    e.rise, e.fall, over, e.tail, e.tail_rise, e.slack)
+                    e.rise, e.fall, over, e.tail, e.tail_rise, e.slack, op_time)
         return t
 
     def want_exchange(self, nbytes: int) -> bool:
@@ -1213,8 +1225,10 @@ class Balancer:
         over = tables[:, 0, OVERHEAD_COLUMN]
         over = over[~np.isnan(over)]
         self.rs.hold()
-        self.rs.overhead = float(np.median(over)) if len(over) else self.rail_cpu_s
+        self.agreed_overhead = float(np.median(over)) if len(over) else self.rail_cpu_s
+        self.rs.overhead = self.agreed_overhead * self.trial.scale
         evs = self.rs.observe(a, b, counts, recent)
+        evs += self._try_overhead(tables[:, 0, OP_TIME_COLUMN])
         self.unsettled = self.rs.moved and self.rs.state == HOT
         if self.rs.moved:
             # the samples so far describe the old split: measure the new one afresh
@@ -1223,17 +1237,43 @@ class Balancer:
                 self.est[r].forget_a()
         return evs
 
-    def note_op(self, nbytes: int = 0):
-        """One collective of ``nbytes`` done (called by the Context, identically on every
-        rank)."""
+    def _try_overhead(self, op_times: np.ndarray) -> list:
+        """The overhead trial's turn at this table (trial.py), and the overhead it leaves in
+        use. It runs only in HOT, where the overhead leaves out a rail the model would use."""
+        self.op_times = []
+        rs, over = self.rs, self.agreed_overhead
+        if rs.state != HOT:
+            evs = self.trial.reset()
+        else:
+            differs = bool(rs.block) and [x > 0 for x in rs.split_block(over)] != \
+                [x > 0 for x in rs.split_block(0.0, False)]
+            known = op_times[~np.isnan(op_times)]
+            per_byte = float(np.median(known)) if len(known) else float("nan")
+            evs = self.trial.observe(per_byte, rs.moved, differs)
+        scale = self.trial.scale
+        if rs.overhead != over * scale:      # the split on the wire changes: say so
+            rs.overhead = over * scale
+            if rs.state == HOT:
+                evs.append(("weights", rs.weights_fields()))
+        return evs
+
+    def note_op(self, nbytes: int = 0, seconds: float = float("nan")):
+        """One collective of ``nbytes`` done in ``seconds`` (called by the Context,
+        identically on every rank; the time only where the op is metered)."""
         self.ops_since_exchange += 1
         self.pending_s += self.rs.predict(nbytes)
+        if nbytes > 0 and not math.isnan(seconds):
+            self.op_times.append(seconds / nbytes)
 
     def set_live(self, live) -> list:
-        evs = self.rs.set_live(live)
-        if evs:
+        if tuple(sorted(live)) == self.rs.live:
+            return []
+        evs = self.trial.reset()     # what it measured was another rail set
+        self.rs.overhead = self.agreed_overhead * self.trial.scale
+        changed = self.rs.set_live(live)
+        if changed:
             self._restart_windows()
-        return evs
+        return evs + changed
 
     def _restart_windows(self) -> None:
         for e in self.est:

@@ -173,11 +173,12 @@ class Context:
             op_id = eng.begin_op()
             if self.events.log_ops:
                 self.events.emit("op_start", op=op_id, kind=kind_name, bytes=nbytes)
+            t0 = time.monotonic()
             try:
                 fn(collectives.Call(eng, op_id, self._config.pipe_block))
             finally:
                 eng.end_op(op_id)
-            self.balancer.note_op(nbytes)
+            self.balancer.note_op(nbytes, time.monotonic() - t0 if metered else float("nan"))
             if metered:
                 self._record_costs(op_id)
             if self.events.log_ops:

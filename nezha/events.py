@@ -12,6 +12,8 @@ Event names and their fields (``rail`` is the rail index, ``peer`` a rank):
   state           state "cold"|"hot", reason, [live]     (agreed balancing state)
   weights         shares [per rail, for a 16 MiB message], state, a [s], b [s/byte],
                   [shifted: rails whose last operation showed a change, balance._shifts]
+  overhead_trial  phase "start"|"kept"|"reverted"|"abandoned", scale (1: the rail overhead
+                  counted, 0: not), before_ns_per_kb, [after_ns_per_kb]  (agreed, trial.py)
   rail_check      peer, rail, stalled_ms, window_ms, tcp {rto_ms, rtt_ms, cwnd, ...}
                                                          (watchdog: asks the peer if bytes arrive)
   rail_alive      peer, rail, bytes, waited_ms           (the peer said yes: slow, not dead)
