@@ -43,8 +43,9 @@ class OverheadTrial:
     def observe(self, per_byte: float, moved: bool, differs: bool) -> list:
         """One agreed HOT table: ``per_byte`` the agreed seconds per byte of the operations
         since the previous table (nan if none was measured), ``moved`` whether this table
-        moved the split, ``differs`` whether the two choices split the current message
-        differently. Returns (event, fields) pairs for the log."""
+        moved the split, ``differs`` whether the other choice would use other rails and make
+        the message finish MARGIN sooner by the model. Returns (event, fields) pairs for the
+        log."""
         if self.trial is not None:
             if not math.isnan(per_byte):
                 self.trial.append(per_byte)
