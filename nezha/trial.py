@@ -40,10 +40,10 @@ class OverheadTrial:
     wait: int = FIRST_WAIT                       # tables to pass before a trial
     backoff: int = 2 * FIRST_WAIT                # the wait after the next verdict
 
-    def observe(self, per_byte: float, moved: bool, differs: bool) -> list:
+    def observe(self, per_byte: float, moved: bool, worth: bool) -> list:
         """One agreed HOT table: ``per_byte`` the agreed seconds per byte of the operations
         since the previous table (nan if none was measured), ``moved`` whether this table
-        moved the split, ``differs`` whether the other choice would use other rails and make
+        moved the split, ``worth`` whether the other choice would use other rails and make
         the message finish MARGIN sooner by the model. Returns (event, fields) pairs for the
         log."""
         if self.trial is not None:
@@ -52,7 +52,7 @@ class OverheadTrial:
                 if per_byte > statistics.median(self.base) * (1.0 + ABORT):
                     return self._verdict(aborted=True)
             return self._verdict() if len(self.trial) >= TRIAL_TABLES else []
-        if not differs:
+        if not worth:
             self.base.clear()
             return []
         if not math.isnan(per_byte):

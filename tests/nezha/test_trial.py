@@ -10,10 +10,10 @@ from nezha.balance import Balancer
 from nezha.trial import OverheadTrial
 
 
-def feed(t: OverheadTrial, per_byte: float, n: int, moved=False, differs=True) -> list:
+def feed(t: OverheadTrial, per_byte: float, n: int, moved=False, worth=True) -> list:
     evs = []
     for _ in range(n):
-        evs += t.observe(per_byte, moved, differs)
+        evs += t.observe(per_byte, moved, worth)
     return evs
 
 
@@ -75,7 +75,7 @@ def test_one_table_much_slower_ends_the_trial_at_once():
 
 def test_no_trial_where_the_overhead_leaves_nothing_out_nor_from_a_split_just_moved():
     t = OverheadTrial()
-    assert feed(t, 1.0, 50, differs=False) == []
+    assert feed(t, 1.0, 50, worth=False) == []
     assert feed(t, 1.0, 50, moved=True) == []
     assert phases(t.observe(1.0, False, True)) == ["start"]
 
