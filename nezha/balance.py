@@ -995,10 +995,9 @@ class RailState:
         """A rail that a damped move makes SHIFT x costlier at once is remembered at what it
         was worth before, as a jump slower is (``_slower_jump``; on the same conditions,
         ``_keep_worth``), so the way back (``_way_back``) can return it in one table.
-        Without it, a rail raised to 4.8x by the operation that
-        straddled the end of a 2 s loss burst of 30 % came back only by the slack-bounded
-        damped steps: 0.17 -> 0.19 of the split in 5 s, where 0.5 was right (4 hosts x 2
-        rails of 200 Mbit/s)."""
+        Without it, a rail raised to 4.8x by the operation that straddled the end of a 2 s
+        loss burst of 30 % came back only by the slack-bounded damped steps: 0.17 -> 0.19 of
+        the split in 5 s, where 0.5 was right (4 hosts x 2 rails of 200 Mbit/s)."""
         shares = self.shares()
         for r in self._raised(sb):
             if r not in jumps:
@@ -1016,13 +1015,12 @@ class RailState:
         jumped back to twice their share), and only a cost a HOT table confirmed, or one the
         rail had at a share no more than SHIFT x COLD's equal one, where it was measured.
         Not a cost the rail was found beyond at a far larger share: COLD's equal share of a
-        90 Mbit/s rail
-        fit a token bucket's burst, its estimate was 6x too cheap, HOT gave it most of the
-        message, and a jump back to that estimate gave the other rail nothing (12 hosts x 90
-        + 30 Mbit/s, 1 MiB). But a rail that slowed at its COLD share, at the first operation
-        after HOT began (a loss burst), is worth what it was: refused, it had no way back and
-        kept 0.21 of the split for the 6 s left of the run, where 0.5 was right (4 hosts x 2
-        rails of 200 Mbit/s)."""
+        90 Mbit/s rail fit a token bucket's burst, its estimate was 6x too cheap, HOT gave it
+        most of the message, and a jump back to that estimate gave the other rail nothing
+        (12 hosts x 90 + 30 Mbit/s, 1 MiB). But a rail that slowed at its COLD share, at the
+        first operation after HOT began (a loss burst), is worth what it was: refused, it had
+        no way back and kept 0.21 of the split for the 6 s left of the run, where 0.5 was
+        right (4 hosts x 2 rails of 200 Mbit/s)."""
         n = len(self.live)
         if not self.worth[r] and share >= WORTH_SHARE / n \
                 and (self.confirmed[r] or share <= SHIFT / n):
@@ -1232,7 +1230,7 @@ class Balancer:
         over = over[~np.isnan(over)]
         self.rs.hold()
         self.agreed_overhead = float(np.median(over)) if len(over) else self.rail_cpu_s
-        self.rs.overhead = self.agreed_overhead * self.trial.scale
+        self._use_overhead()
         evs = self.rs.observe(a, b, counts, recent)
         evs += self._try_overhead(tables[:, 0, OP_TIME_COLUMN])
         self.unsettled = self.rs.moved and self.rs.state == HOT
@@ -1247,21 +1245,25 @@ class Balancer:
         """The overhead trial's turn at this table (trial.py), and the overhead it leaves in
         use. It runs only in HOT, where the overhead leaves out a rail the model would use."""
         self.op_times = []
-        rs, over = self.rs, self.agreed_overhead
+        rs = self.rs
         if rs.state != HOT:
             evs = self.trial.reset()
         else:
             known = op_times[~np.isnan(op_times)]
             per_byte = float(np.median(known)) if len(known) else float("nan")
-            evs = self.trial.observe(per_byte, rs.moved, self._worth_a_trial(over))
-        scale = self.trial.scale
-        if rs.overhead != over * scale:      # the split on the wire changes: say so
-            rs.overhead = over * scale
-            if rs.state == HOT:
-                evs.append(("weights", rs.weights_fields()))
+            evs = self.trial.observe(per_byte, rs.moved, self._worth_a_trial())
+        if self._use_overhead() and rs.state == HOT:    # the split on the wire changes
+            evs.append(("weights", rs.weights_fields()))
         return evs
 
-    def _worth_a_trial(self, over: float) -> bool:
+    def _use_overhead(self) -> bool:
+        """Put the agreed overhead times the trial's scale in use; whether that changed it."""
+        new = self.agreed_overhead * self.trial.scale
+        changed = new != self.rs.overhead
+        self.rs.overhead = new
+        return changed
+
+    def _worth_a_trial(self) -> bool:
         """Whether the rails that the overhead leaves out of the last block would make it
         finish TRIAL_MARGIN sooner by the model: a trial that cannot win by more is not run.
         A 2 Mbit/s rail next to three of 100 (collapsing-rail.yaml) would get 0.6 % of the
@@ -1269,7 +1271,7 @@ class Balancer:
         rs = self.rs
         if not rs.block:
             return False
-        kept, every = rs.split_block(over), rs.split_block(0.0, False)
+        kept, every = rs.split_block(self.agreed_overhead), rs.split_block(0.0, False)
         if [x > 0 for x in kept] == [x > 0 for x in every]:
             return False
         return rs.block_time(every) < (1.0 - TRIAL_MARGIN) * rs.block_time(kept)
@@ -1286,7 +1288,7 @@ class Balancer:
         if tuple(sorted(live)) == self.rs.live:
             return []
         evs = self.trial.reset()     # what it measured was another rail set
-        self.rs.overhead = self.agreed_overhead * self.trial.scale
+        self._use_overhead()
         changed = self.rs.set_live(live)
         if changed:
             self._restart_windows()
