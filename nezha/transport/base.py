@@ -52,7 +52,8 @@ def set_congestion(sock: socket.socket, name: str, setting: str) -> None:
 
 
 RCVLOWAT_MAX = 128 << 10     # bytes a payload's reader waits for before it wakes (_await_bytes)
-RCVLOWAT_POLL_MS = 20        # ...or this long
+RCVLOWAT_POLL_MS = 20        # ...or this long, doubled after each wait that ran out within
+RCVLOWAT_POLL_MAX_MS = 320   # a payload, up to this (_await_bytes)
 TCP_RTO_MIN_US = 45          # linux/tcp.h, Linux >= 6.15
 _RTO_MIN_CAP_US = 200_000    # the kernel's own minimum RTO: TCP_RTO_MIN_US refuses more
 
@@ -278,6 +279,7 @@ class Connection:
         self._rx_lock = threading.Lock()
         self.rx_target: memoryview | None = None
         self._lowat = 1           # the socket's SO_RCVLOWAT (_await_bytes)
+        self._poll_ms = RCVLOWAT_POLL_MS   # how long _await_bytes waits for it
         self._lowat_ok = True
         self._rx_poll = select.poll()
         self._rx_poll.register(sock, select.POLLIN)
@@ -429,6 +431,7 @@ class Connection:
         """Read a DATA payload straight into ``target`` (the posted receive) by non-blocking
         reads, so that ``revoke`` can redirect it between two of them."""
         n, got = len(target), 0
+        self._poll_ms = RCVLOWAT_POLL_MS
         with self._rx_lock:
             self.rx_target = target
         try:
@@ -460,11 +463,20 @@ class Connection:
         (poll and the receive path both honour it); the last piece of a payload asks for
         exactly what is left, so a payload's end is seen when its last byte arrives. The
         poll gives up after RCVLOWAT_POLL_MS, and the caller then reads what there is: a
-        kernel that held more than it said can cost that much, never a hang."""
+        kernel that held more than it said can cost that much, never a hang. Each wait that
+        runs out doubles the next one's, up to RCVLOWAT_POLL_MAX_MS, for the rest of the
+        payload: a rail slower than 128 KiB per 20 ms (50 Mbit/s) woke its reader every 20 ms
+        for what had trickled in, 50 times a second per connection (64 hosts x 2 rails of 1
+        Mbit/s on 2 cores, where the ranks' threads left the CPU no idle tick). The wait
+        cannot hold the sender up: the kernel keeps the mark within half the receive buffer
+        (tcp_set_rcvlowat), so the window stays open until it is reached."""
         want = min(left, RCVLOWAT_MAX) if self._lowat_ok else 1
         if want != self._lowat:
             self._set_lowat(want)
-        self._rx_poll.poll(RCVLOWAT_POLL_MS if self._lowat > 1 else None)
+        if self._lowat <= 1:
+            self._rx_poll.poll(None)
+        elif not self._rx_poll.poll(self._poll_ms):
+            self._poll_ms = min(2 * self._poll_ms, RCVLOWAT_POLL_MAX_MS)
 
     def _set_lowat(self, n: int) -> None:
         """SO_RCVLOWAT = ``n``. The kernel compares it with the queued bytes before waking

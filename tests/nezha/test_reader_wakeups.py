@@ -61,25 +61,25 @@ def _voluntary_switches(native_id: int) -> int:
     raise AssertionError("no voluntary_ctxt_switches in /proc")
 
 
-def _trickle(pair, monkeypatch) -> dict:
-    """Send one DATA frame in PIECE-byte pieces GAP_S apart, then an ACK frame once the payload
-    is in; what the reader made of it. The wait's timeout is made long (0.5 s), so that an end
-    seen only at a timeout shows."""
-    monkeypatch.setattr(base, "RCVLOWAT_POLL_MS", 500)
+def _trickle(pair, monkeypatch, size: int = PAYLOAD, piece: int = PIECE,
+             gap_s: float = GAP_S, poll_ms: int = 500) -> dict:
+    """Send one DATA frame of ``size`` bytes in ``piece``-byte pieces ``gap_s`` apart, then an
+    ACK frame once the payload is in; what the reader made of it. The wait's first timeout is
+    ``poll_ms``: made long (0.5 s) by default, so that an end seen only at a timeout shows."""
+    monkeypatch.setattr(base, "RCVLOWAT_POLL_MS", poll_ms)
     a, b = pair
     a.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)    # each piece its own segment
-    payload = bytes(range(256)) * (PAYLOAD // 256)
-    target = memoryview(bytearray(PAYLOAD))
+    payload = bytes(range(256)) * (size // 256)
+    target = memoryview(bytearray(size))
     handler = _Handler(target)
     conn = Connection(b, peer=0, rail=0, handler=handler)
     conn.reader.start()
     time.sleep(0.05)                       # the reader waits for a header
     before = _voluntary_switches(conn.reader.native_id)
-    a.sendall(wire.pack(type=wire.DATA, src=0, length=PAYLOAD, msg_total=PAYLOAD,
-                        op_total=PAYLOAD))
-    for i in range(0, PAYLOAD, PIECE):
-        a.sendall(payload[i:i + PIECE])
-        time.sleep(GAP_S)
+    a.sendall(wire.pack(type=wire.DATA, src=0, length=size, msg_total=size, op_total=size))
+    for i in range(0, size, piece):
+        a.sendall(payload[i:i + piece])
+        time.sleep(gap_s)
     last_byte_at = time.monotonic()
     deadline = last_byte_at + 2.0
     while handler.done_at is None:
@@ -111,3 +111,16 @@ def test_the_reader_wakes_in_batches_and_sees_the_end_at_once(loopback_pair, mon
     assert got["ack_late_s"] < 0.1
     # 96 pieces: a wake-up each before; now one per 128 KiB (RCVLOWAT_MAX) or timeout
     assert got["wakeups"] <= 24, f"the reader woke {got['wakeups']} times for 96 pieces"
+
+
+@pytest.mark.timing             # wake-ups of a thread on a shared 2-core machine
+@pytest.mark.flaky(reruns=1, reruns_delay=2)
+def test_a_slow_rail_does_not_wake_the_reader_every_20_ms(loopback_pair, monkeypatch):
+    """64 KiB over 1.3 s (a 0.4 Mbit/s trickle, the pace of 64 hosts x 1 Mbit/s rails): the
+    wait's timeout doubles each time it runs out (20, 40, ... 320 ms), so the reader wakes
+    about 9 times, not 65, and still sees the end when the last byte is in."""
+    got = _trickle(loopback_pair, monkeypatch, size=64 << 10, piece=1 << 10, gap_s=0.02,
+                   poll_ms=base.RCVLOWAT_POLL_MS)
+    assert got["failure"] is None and got["payload_ok"] and got["acked"]
+    assert got["end_late_s"] < 0.1
+    assert got["wakeups"] <= 20, f"the reader woke {got['wakeups']} times in 1.3 s"
