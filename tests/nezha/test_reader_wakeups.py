@@ -135,3 +135,21 @@ def test_a_slow_rail_does_not_wake_the_reader_every_20_ms(loopback_pair, monkeyp
     got = _slow_trickle(loopback_pair, monkeypatch)
     assert got["end_late_s"] < 0.1
     assert got["wakeups"] <= 20, f"the reader woke {got['wakeups']} times in 1.3 s"
+
+
+@pytest.mark.parametrize("fixed_buffer", [False, True])
+def test_the_mark_never_exceeds_what_the_receive_buffer_can_hold(loopback_pair, fixed_buffer):
+    """What lets the waits grow to 320 ms: a mark above what the receive buffer holds would
+    close the sender's window before it is reached, and only a timed-out wait would open it.
+    The kernel (tcp_set_rcvlowat) grows a buffer it sizes itself to twice the mark, and keeps
+    the mark within half of one fixed by SO_RCVBUF (NEZHA_SOCKBUF)."""
+    _, b = loopback_pair
+    if fixed_buffer:
+        b.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 32 << 10)
+    conn = Connection(b, peer=0, rail=0, handler=_Handler(memoryview(bytearray(1))))
+    conn._set_lowat(base.RCVLOWAT_MAX)
+    mark = b.getsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT)
+    buffer = b.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF)
+    assert 0 < mark <= buffer // 2, (mark, buffer)
+    if not fixed_buffer:
+        assert mark == base.RCVLOWAT_MAX, mark
