@@ -463,6 +463,7 @@ class RailState:
         self.slow_hops: list = [frozenset()] * nrails   # ...and the hops it found slower
         self.jumped = [False] * nrails    # per rail: the last table made it jump slower
         self.worth = [0.0] * nrails       # per rail: its cost before it last slowed (_shifts)
+        self.guessed = [False] * nrails   # per rail: its worth is a guess (_out_of_a_cold_stall)
         self.before = [0.0] * nrails      # per rail: its cost in use when it began to look slower
         self.confirmed = [False] * nrails  # per rail: a HOT table agreed with its cost in use
         self.held: tuple = ()             # rails the applied split used at the last table
@@ -482,6 +483,7 @@ class RailState:
         self.step = [STEP_START] * self.nrails
         self.trend = [0] * self.nrails
         self.worth = [0.0] * self.nrails
+        self.guessed = [False] * self.nrails
         self.before = [0.0] * self.nrails
         # per rail: a HOT table's estimate agreed with its cost in use (worth needs one)
         self.confirmed = [False] * self.nrails
@@ -546,7 +548,7 @@ class RailState:
                 bool(usable) and max(self.silent[r] for r in live) >= PROBE_AFTER)
             return self._enter_hot(a, b, usable) if enough else []
         jumps = self._shifts(recent) if recent is not None else {}
-        self._confirm(b, usable, recent)
+        self._confirm(b, usable, recent, jumps)
         self._look_again_soon(jumps)
         jumps.update(self._measured_probes(b, usable, counts, recent))
         if recent is not None:
@@ -558,18 +560,27 @@ class RailState:
             return []
         return self._damped_move(a, b, news, jumps)
 
-    def _confirm(self, b, usable, rec: Recent | None) -> None:
+    def _confirm(self, b, usable, rec: Recent | None, jumps: dict) -> None:
         """A HOT table confirms a rail's cost in use when its estimate, or its last operation
         on its slowest hop, is within SHIFT x of it. The last operation counts too: the
         estimate needs MIN_SAMPLES operations at one split, and a rail that slowed at the
         second operation after HOT began (a loss burst) was never confirmed, so its worth
-        was not remembered and it had no way back (``_way_back``)."""
+        was not remembered and it had no way back (``_way_back``). Not a rail that jumps at
+        this table (``jumps``): its cost in use is no longer the one the table measured. A
+        rail confirmed within SHIFT x of its worth is back, and the worth is done: done when
+        the jump landed instead, a worth guessed from a share done early was gone by the
+        time the next table found it wrong, and the rail then "slowed" from it, which made
+        it the worth again (seed 44 of ``testbed shapes``)."""
         for r in self.live:
+            if r in jumps:           # judged against a cost no longer in use
+                continue
             x = self.used_b[r]
             est = b[r] if r in usable else float("nan")
             last = rec.last_hi[r] if rec is not None else float("nan")
             if any(_usable(c) and x / SHIFT <= c <= SHIFT * x for c in (est, last)):
                 self.confirmed[r] = True
+                if self.worth[r] and x <= SHIFT * self.worth[r]:
+                    self.worth[r], self.guessed[r] = 0.0, False     # back: worth done
 
     def _within_slack(self, b, jumps: dict, slack) -> list:
         """Bound how much cheaper a rail that was done early may become: its share may grow,
@@ -754,7 +765,7 @@ class RailState:
             # gave 0.42 of the message, not 0.50, and two damped tables did the rest: 1.1 s)
             self.before[r] = (self.before[r] or x) if slower else 0.0
             if slower and self.backed[r]:        # (every hop slower implies the slowest is)
-                self.doubted[r] = True           # its jump back was wrong: confirm them
+                self._doubt(r)
             self.backed[r] = False
             slowed = self._slower_jump(r, rec, x, slower_all, slower, shares[r])
             if slowed is not None:
@@ -763,12 +774,23 @@ class RailState:
             elif jump is not None:
                 out[r] = jump
                 way = 0
-                self.worth[r] = 0.0 if out[r] == self.worth[r] else self.worth[r]
                 self.backed[r] = True
             if r in out:
                 self.from_cold[r] = False
             self.shift[r] = way
         return out
+
+    def _doubt(self, r: int) -> None:
+        """Rail ``r`` jumped back faster, and the next table finds it slower: from now on its
+        jumps back must show in two tables in a row (``doubted``). A worth guessed from a
+        share done early (``_out_of_a_cold_stall``) was a token bucket's burst, and is
+        forgotten: kept, it sent four 10 Mbit/s rails back to a quarter of their cost, their
+        shares to 4x what they carry, every few tables for the whole run (5 hosts x 10
+        rails, seed 44 of ``testbed shapes``: 1.5x the pinned split's time)."""
+        self.doubted[r] = True
+        if self.guessed[r]:
+            self.worth[r] = self.before[r] = 0.0
+            self.guessed[r] = False
 
     def _slower_jump(self, r: int, rec: Recent, x: float, slower_all: bool, slower: bool,
                      share: float) -> float | None:
@@ -858,8 +880,10 @@ class RailState:
         cheaper = hi <= x / SHIFT and not same      # every hop (hi is the slowest's)
         if rec.fall_hi[r] <= 1 / SHIFT or (
                 (back or cheaper) and (self.shift[r] < 0 or not self.doubted[r])):
-            target = math.sqrt(x * hi) if cheaper and not back else worth
-            return max(target, x / FALL_MAX), True
+            target = max(math.sqrt(x * hi) if cheaper and not back else worth, x / FALL_MAX)
+            # (a rail already at its worth has nowhere to jump: kept until a table confirms
+            # it there, the worth would otherwise send it "back" to where it is)
+            return (target, True) if target < x else (None, True)
         return None, back or cheaper
 
     def _out_of_a_cold_stall(self, r: int, rec: Recent, x: float, hi: float) -> tuple:
@@ -869,7 +893,7 @@ class RailState:
         burst during the first operations). It jumps half way on a log scale, and what it
         costs now becomes its worth, so the next table returns it there, or, if the next
         operation finds it slower after all (a share that fit a token bucket's burst), sends
-        it back up and doubts it (``_shifts``). Without it such a rail came back only by
+        it back up, doubts it and forgets that worth (``guessed``, ``_shifts``). Without it such a rail came back only by
         damped steps that its slack bounds to EARLY_FALL a table: 0.19-0.23 of the split for
         the 5 s left of the run, where 0.5 was right (4 hosts x 2 rails, HOT 1.7 s into a 2 s
         loss burst of 30 % with one core kept busy)."""
@@ -878,7 +902,7 @@ class RailState:
         if rose or not (self.from_cold[r] and not self.confirmed[r] and _usable(hi)
                         and hi <= x / SHIFT and _usable(slack) and slack >= EARLY_SLACK):
             return None, False
-        self.worth[r] = hi
+        self.worth[r], self.guessed[r] = hi, True
         return max(math.sqrt(x * hi), x / FALL_MAX), True
 
     def _take_start_up_falls(self, a) -> None:
@@ -932,8 +956,7 @@ class RailState:
         live, jumps = self.live, jumps or {}
         step, trend, turned = self._steps(b, news, jumps)
         sa = [(x + y) / 2 for x, y in zip(self.used_a, a)]   # (falls: _take_start_up_falls)
-        sb = [x + step[r] * ((b[r] if r in news else x) - x) if r in live else self.b[r]
-              for r, x in enumerate(self.used_b)]
+        sb = self._stepped(b, news, step)
         for r, cost in jumps.items():
             sb[r] = cost
         best = min(sb[r] for r in live)
@@ -977,6 +1000,16 @@ class RailState:
         if jumps:
             fields["shifted"] = sorted(jumps)
         return [("weights", fields)]
+
+    def _stepped(self, b, news, step) -> list:
+        """Each live rail's cost in use moved its ``step`` of the way towards the table's
+        estimate ``b`` (if it has news). A rail that is down keeps its cost in use, so it
+        comes back at what it was worth (``set_live``): given the table's, a 10 Mbit/s rail
+        down for 30 ms came back 5x cheaper, from the crumb its failed operation measured,
+        took 16 % of the next message, and that operation ran 1.9x as long (4 hosts x 8
+        rails, seed 45 of ``testbed shapes``)."""
+        return [x + step[r] * ((b[r] if r in news else x) - x) if r in self.live
+                else (x if _usable(x) else self.b[r]) for r, x in enumerate(self.used_b)]
 
     def _hold_start_up_of_slowed(self, sa, sb) -> None:
         """A rail this move makes SHIFT x costlier per byte keeps its start-up cost in use,
@@ -1024,7 +1057,7 @@ class RailState:
         n = len(self.live)
         if not self.worth[r] and share >= WORTH_SHARE / n \
                 and (self.confirmed[r] or share <= SHIFT / n):
-            self.worth[r] = cost
+            self.worth[r], self.guessed[r] = cost, False
 
     def _saving(self, old, new) -> float:
         """What part of an operation's time a move from shares ``old`` to ``new`` saves, as

@@ -293,6 +293,25 @@ def test_a_rail_that_leaves_and_comes_back_keeps_what_it_was_worth():
     assert bal.rs.shares()[0] == pytest.approx(0.75, abs=1e-3)
 
 
+def test_a_rail_that_is_down_while_the_split_moves_comes_back_at_what_it_was_worth():
+    """4 hosts x 8 rails of 10-90 Mbit/s (seed 45 of ``testbed shapes``): a 10 Mbit/s rail
+    failed for 30 ms, and the tables meanwhile carried what its failed operation had
+    measured, a crumb that looked 5x cheaper. The moves made it the rail's cost in use, it
+    came back with 16 % of the message where 4 % was right, and that operation took 1.9x
+    as long. A rail that is down keeps its cost in use through the moves."""
+    bal = hot([1e-8, 1e-8, 9e-8])
+    worth = bal.rs.used_b[2]
+    bal.set_live([0, 1])
+    moves = 0
+    for k in range(4):               # rail 0 moves; rail 2's column holds the crumb's cost
+        moves += agreed(bal, [1e-8 * (1.0 if k % 2 else 1.6), 1e-8, 1.8e-8],
+                        a=(1e-4,) * 3) != []
+    assert moves, "the split never moved while rail 2 was down"
+    bal.set_live([0, 1, 2])
+    assert bal.rs.used_b[2] == pytest.approx(worth)
+    assert bal.rs.shares()[2] < 0.1
+
+
 def test_a_rail_never_measured_joining_restarts_cold():
     bal = Balancer(3, "nezha")
     bal.set_live([0, 1])
@@ -1223,6 +1242,47 @@ def test_a_rail_cold_measured_in_a_stall_comes_back_when_it_is_done_early():
     evs = one_op(bal, [[4e-8, 4e-8]] * 3, counts=2, slack=[0.0, 0.1])
     assert not any("shifted" in fields for _, fields in evs)
     assert bal.rs.used_b[1] > 1.2e-7
+
+
+def test_a_worth_guessed_from_a_share_done_early_is_forgotten_once_it_proves_wrong():
+    """5 hosts x 10 rails, four of them 10 Mbit/s (seed 44 of ``testbed shapes``): their
+    small shares passed in a token bucket's burst, done early and 3-8x cheaper than they
+    are; the first such table made that their worth, and every few tables they jumped back
+    to it, got 4x what they carry and sent the next operation to 1.5-2x, for the whole run.
+    Once the operation after a jump back finds the rail as slow as before, the guessed
+    worth is forgotten, and a share done early again moves it by damped steps only."""
+    bal = Balancer(2, "nezha")
+    agreed(bal, [4e-8, 1.8e-7])
+    assert bal.rs.state == "hot"
+    one_op(bal, [[4e-8, 4e-8]] * 3, counts=2, slack=[0.0, 0.86])     # looks 4.5x cheaper
+    assert bal.rs.used_b[1] < 1.2e-7 and bal.rs.worth[1] == pytest.approx(4e-8)
+    one_op(bal, [[4e-8, 4e-8]] * 3, counts=1, slack=[0.0, 0.86])     # ...and again: back
+    assert bal.rs.used_b[1] == pytest.approx(4e-8)
+    evs = one_op(bal, [[4e-8, 1.8e-7]] * 3, counts=1)                  # it was the burst
+    assert 1 in evs[0][1]["shifted"] and bal.rs.used_b[1] == pytest.approx(1.8e-7)
+    assert bal.rs.worth[1] == 0.0
+    for _ in range(4):         # its small share flattered again, each table after a move
+        one_op(bal, [[4e-8, 4e-8]] * 3, counts=1, slack=[0.0, 0.86])
+        assert bal.rs.used_b[1] > 1.8e-7 / balance.SHIFT, "jumped back to the burst's cost"
+
+
+def test_a_worth_is_done_once_a_table_confirms_the_rail_back_at_it():
+    """What a rail was worth before it slowed stays until a table finds it back there; then
+    it is done, and a later slowdown remembers what the rail is worth by then (here 1.3x
+    its first cost, reached by damped steps), not what it was worth the first time."""
+    bal = hot([1e-8, 1e-8])
+    one_op(bal, [[1e-8, 4e-8]] * 3)                           # slowed 4x on every hop
+    assert bal.rs.worth[1] == pytest.approx(1e-8)
+    one_op(bal, [[1e-8, 1.1e-8]] * 3, counts=1)               # back: jumps to its worth
+    assert bal.rs.used_b[1] == pytest.approx(1e-8) and bal.rs.worth[1] == pytest.approx(1e-8)
+    one_op(bal, [[1e-8, 1e-8]] * 3, counts=2)                 # confirmed there: worth done
+    assert bal.rs.worth[1] == 0.0
+    for _ in range(12):                                       # its cost drifts up by 30 %
+        one_op(bal, [[1e-8, 1.3e-8]] * 3, counts=2, bs=[[1e-8, 1.3e-8]] * 3)
+    assert bal.rs.used_b[1] == pytest.approx(1.3e-8, rel=0.03)
+    one_op(bal, [[1e-8, 5.2e-8]] * 3)                         # slowed 4x again
+    one_op(bal, [[1e-8, 1.4e-8]] * 3, counts=1)               # and back
+    assert bal.rs.used_b[1] == pytest.approx(1.3e-8, rel=0.03)
 
 
 def test_a_rail_a_damped_move_raised_remembers_its_worth_and_comes_back():

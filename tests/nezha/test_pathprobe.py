@@ -322,3 +322,76 @@ def test_an_icmp_error_is_taken_off_the_socket_not_spun_on():
         assert used < 0.2, f"{used:.2f} s of CPU in 0.5 s of an idle prober"
     finally:
         a.close()
+
+
+def test_a_slow_rail_keeps_its_limits_while_its_estimate_is_empty_or_flattered():
+    """The estimate's window restarts whenever the split moves, and a small share can pass
+    in a token bucket's burst; the limits then assumed 80-100 Mbit/s, and 10 Mbit/s rails
+    were failed with nothing wrong (4 and 5 hosts x 8-10 rails, seeds 45 and 44 of
+    ``testbed shapes``): a stall of 22 ms against a 20 ms watchdog limit, and path probes,
+    queued behind the rail's bulk data, unanswered in the 10 ms they were given. A rail is
+    judged at no less than the agreed cost in use."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from nezha import balance
+    from nezha.health import Health
+    bal = balance.Balancer(2, "nezha")
+    for _ in range(2):                   # every rank reports 100 and 10 Mbit/s: HOT
+        t = np.full((3, 2, balance.TABLE_COLUMNS), np.nan)
+        t[:, :, :3] = [(1e-4, 8e-8, 5), (1e-4, 8e-7, 5)]
+        bal.agree(t)
+    assert bal.rs.state == "hot" and np.isnan(bal.est[1].b)    # no window yet
+    asked = []
+    prober = SimpleNamespace(heard={1}, first_asked={}, available=lambda rail: True,
+                             ask=lambda *a, **k: None,
+                             verdict=lambda peer, rail, now, ref=None, least=0.0: asked.append(least))
+    eng = SimpleNamespace(rank=0, balancer=bal, live_rails=lambda peer, data=True: [0, 1],
+                          events=SimpleNamespace(emit=lambda *a, **k: None))
+    health = Health(eng, lambda *a: None, ["a", "b"], prober=prober)
+    window = 64 << 10
+    assert health.stall_limit(1) >= 3 * window * 8e-7         # 157 ms, not the 20 ms floor
+    assert health.stall_limit(0) == pytest.approx(health.watchdog_min)
+    for _ in range(2):              # shares that passed in the bucket's burst: 80 Mbit/s
+        bal.est[1].record_b(1 << 20, 0.1)
+    assert health.stall_limit(1) >= 3 * window * 8e-7
+    conn = SimpleNamespace(peer=1, rail=1, sock=None, tcp_info_ok=False, dead_why="",
+                           dead_t=0.0, fail=lambda e: None)
+    health.dead(conn, "no progress for 22 ms", 1000.0)
+    assert asked and asked[-1] >= 2 * window * 8e-7            # 105 ms for its probes
+
+
+def test_a_rail_nothing_has_timed_yet_is_not_judged_by_its_silence():
+    """COLD's first operation gives a 10 Mbit/s rail of 15 as much as a 91 Mbit/s one, and
+    such rails, silent for 101-235 ms in a TCP back-off, were failed from the receiving
+    side with nothing wrong (5-6 hosts x 10-15 rails, seeds 6 and 30 of ``testbed
+    shapes``). Before any table has timed a rail, its silence is no evidence; once one has,
+    the same silence (beyond twice its watchdog's limit) is."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from nezha import balance
+    from nezha.health import Health
+    bal = balance.Balancer(2, "nezha")
+    questions = []
+    prober = SimpleNamespace(heard={1}, first_asked={}, available=lambda rail: True,
+                             ask=lambda *a, **k: None, question=lambda *a: None)
+    t = 1000.0
+    quiet = SimpleNamespace(peer=1, rail=1, sock=None, tcp_info_ok=False, dead_why="",
+                            rx_check_id=None, rx_ok_t=0.0, rx_due_next=0.0, alive=True,
+                            last_rx=t - 0.3)
+    busy = SimpleNamespace(peer=1, rail=0, alive=True, last_rx=t - 0.001)
+    eng = SimpleNamespace(rank=0, balancer=bal, conns={(1, 0): busy, (1, 1): quiet},
+                          live_rails=lambda peer, data=True: [0, 1],
+                          share_due=lambda peer, rail: True,
+                          send_control=lambda peer, msg, avoid=None: questions.append(msg),
+                          events=SimpleNamespace(emit=lambda *a, **k: None))
+    health = Health(eng, lambda *a: None, ["a", "b"], prober=prober)
+    assert not health._silent(quiet, t) and not questions       # COLD, nothing measured
+    table = np.full((3, 2, balance.TABLE_COLUMNS), np.nan)
+    table[:, :, :3] = [(1e-4, 1e-8, 5), (1e-4, 1e-8, 5)]         # 800 Mbit/s each
+    bal.agree(table)
+    health._silent(quiet, t)
+    assert questions and questions[0]["what"] == "acks?"      # 300 ms > 2 x its limit
