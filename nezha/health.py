@@ -62,7 +62,6 @@ probe, rail_up, peer_unreachable, peer_reachable.
 """
 from __future__ import annotations
 
-import math
 import threading
 import time
 from typing import Callable, Optional, Sequence
@@ -201,12 +200,12 @@ class Health:
         """The larger of this rank's estimate of ``rail`` and the agreed cost in use (the
         last agreed table's while COLD), or None before anything has measured the rail."""
         bal = self.eng.balancer
-        known = [b for b in (bal.est[rail].b,) if not math.isnan(b)]
-        rs = getattr(bal, "rs", None)
-        for agreed in (getattr(rs, "used_b", None), getattr(rs, "b", None)):
-            if agreed is not None and rail < len(agreed) and agreed[rail] > 0:
-                known.append(agreed[rail])      # (nan > 0 is False)
-                break
+        rs = bal.rs
+        used = rs.used_b        # read once: COLD sets it to None from the engine's thread
+        agreed = used[rail] if used is not None else float("nan")
+        if not agreed > 0:                      # (nan > 0 is False)
+            agreed = rs.b[rail]
+        known = [x for x in (bal.est[rail].b, agreed) if x > 0]
         return max(known) if known else None
 
     def _guarded(self, loop: Callable[[], None]) -> None:

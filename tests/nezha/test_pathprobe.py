@@ -233,7 +233,9 @@ def test_a_peer_probed_for_the_first_time_is_slow_before_it_is_deaf():
                              verdict=lambda *a, **k: None)
     prober.ask = lambda peer, rail, now, ref=None: prober.first_asked.setdefault(peer, now)
     eng = SimpleNamespace(rank=0, events=SimpleNamespace(emit=lambda *a, **k: None),
-                          balancer=SimpleNamespace(est=[SimpleNamespace(a=0.0, b=1e-8)] * 2),
+                          balancer=SimpleNamespace(est=[SimpleNamespace(a=0.0, b=1e-8)] * 2,
+                                                   rs=SimpleNamespace(used_b=None,
+                                                                      b=[float("nan")] * 2)),
                           live_rails=lambda peer, data=True: [0, 1])
     health = Health(eng, lambda *a: None, [], prober=prober)
     failed = []
