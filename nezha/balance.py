@@ -467,6 +467,10 @@ class RailState:
         self.before = [0.0] * nrails      # per rail: its cost in use when it began to look slower
         self.confirmed = [False] * nrails  # per rail: a HOT table agreed with its cost in use
         self.held: tuple = ()             # rails the applied split used at the last table
+        # per rail: the share at which its cost in use was measured (0: unknown), and at which
+        # its worth was (_grew: a cost rise with a share several times larger is no news)
+        self.measured_at = [0.0] * nrails
+        self.worth_at = [0.0] * nrails
         self.backed = [False] * nrails    # per rail: the last table made it jump back faster
         self.doubted = [False] * nrails   # per rail: a jump back of it proved wrong (_shifts)
         self.patience = MIN_SAMPLES       # samples a table needs to move a rail by a step
@@ -485,6 +489,8 @@ class RailState:
         self.worth = [0.0] * self.nrails
         self.guessed = [False] * self.nrails
         self.before = [0.0] * self.nrails
+        self.measured_at = [0.0] * self.nrails
+        self.worth_at = [0.0] * self.nrails
         # per rail: a HOT table's estimate agreed with its cost in use (worth needs one)
         self.confirmed = [False] * self.nrails
         self.held = ()
@@ -571,6 +577,7 @@ class RailState:
         the jump landed instead, a worth guessed from a share done early was gone by the
         time the next table found it wrong, and the rail then "slowed" from it, which made
         it the worth again (seed 44 of ``testbed shapes``)."""
+        shares = self.shares()
         for r in self.live:
             if r in jumps:           # judged against a cost no longer in use
                 continue
@@ -579,6 +586,7 @@ class RailState:
             last = rec.last_hi[r] if rec is not None else float("nan")
             if any(_usable(c) and x / SHIFT <= c <= SHIFT * x for c in (est, last)):
                 self.confirmed[r] = True
+                self.measured_at[r] = shares[r]
                 if self.worth[r] and x <= SHIFT * self.worth[r]:
                     self.worth[r], self.guessed[r] = 0.0, False     # back: worth done
 
@@ -903,6 +911,7 @@ class RailState:
                         and hi <= x / SHIFT and _usable(slack) and slack >= EARLY_SLACK):
             return None, False
         self.worth[r], self.guessed[r] = hi, True
+        self.worth_at[r] = self.shares()[r]
         return max(math.sqrt(x * hi), x / FALL_MAX), True
 
     def _take_start_up_falls(self, a) -> None:
@@ -937,6 +946,8 @@ class RailState:
         # shares are large, and a rail they found slow need not be overloaded twice
         self.probe_found = [[b[r]] if r in news else [] for r in range(self.nrails)]
         self.from_cold = [r in news for r in range(self.nrails)]
+        self.measured_at = [1.0 / len(self.live) if r in news else 0.0   # COLD's equal share
+                            for r in range(self.nrails)]
         self._probing_start_up(self.used_a)
         self.moved = True
         self.reason = "estimates for every rail"
@@ -994,12 +1005,23 @@ class RailState:
         elif turned:
             self.patience = min(WINDOW, self.patience * 2)
         self._remember_worth(sb, jumps)
+        self._measured_at(old, news, jumps)
         self.used_a, self.used_b = sa, sb
         self.moved = True
         fields = self.weights_fields()
         if jumps:
             fields["shifted"] = sorted(jumps)
         return [("weights", fields)]
+
+    def _measured_at(self, old, news, jumps: dict) -> None:
+        """Where the costs this move puts in use were measured: at the split the operations
+        ran at (``old``), except a jump back to a worth, measured where the worth was."""
+        for r in self.live:
+            if r in jumps:
+                back = jumps[r] < self.used_b[r] and jumps[r] == self.worth[r]
+                self.measured_at[r] = self.worth_at[r] if back else old[r]
+            elif r in news:
+                self.measured_at[r] = old[r]
 
     def _stepped(self, b, news, step) -> list:
         """Each live rail's cost in use moved its ``step`` of the way towards the table's
@@ -1056,8 +1078,19 @@ class RailState:
         right (4 hosts x 2 rails of 200 Mbit/s)."""
         n = len(self.live)
         if not self.worth[r] and share >= WORTH_SHARE / n \
-                and (self.confirmed[r] or share <= SHIFT / n):
+                and (self.confirmed[r] or share <= SHIFT / n) and not self._grew(r, share):
             self.worth[r], self.guessed[r] = cost, False
+            self.worth_at[r] = self.measured_at[r]
+
+    def _grew(self, r: int, share: float) -> bool:
+        """Whether rail ``r`` slows at a ``share`` more than SHIFT x the one its cost in use
+        was measured at: then the rise is the share's size as much as a change of the rail
+        (a token bucket passes a small share at once), and that cost is no worth to go back
+        to. Kept, a 10 Mbit/s rail's cost from a 2 % share that its bucket passed whole (MTU
+        9000) sent it back to 7-10 % of the message every few tables, each such operation
+        1.7-2.4x as long (5 hosts x 10 rails, seed 44 of ``testbed shapes``)."""
+        at = self.measured_at[r]
+        return at > 0 and share > SHIFT * at
 
     def _saving(self, old, new) -> float:
         """What part of an operation's time a move from shares ``old`` to ``new`` saves, as

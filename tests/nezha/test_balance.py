@@ -1318,3 +1318,32 @@ def test_a_rail_that_slows_keeps_its_start_up_and_forgets_the_samples_taken_mean
     assert r1 == pytest.approx(block / 9, rel=0.15)
     # a rail that did not slow takes a start-up that rose, damped (a longer path)
     assert bal.rs.used_a[0] == pytest.approx((1e-4 + 2e-3) / 2)
+
+
+def test_a_cost_measured_at_a_small_share_is_no_worth_once_a_larger_share_finds_it_slow():
+    """5 hosts x 10 rails, six of 10 Mbit/s (seed 44 of ``testbed shapes``): a 2 % share
+    fit the token bucket's burst (MTU 9000) and measured 4x cheaper than the rail is; the
+    split gave it 7-10 %, which found it slow, and that cheap cost became what the rail was
+    "worth", so each share the burst flattered again sent it back there: the operation
+    after each such jump took 1.7-2.4x as long, for the whole run. A rise in cost at a share
+    more than SHIFT x the one the cost in use was measured at is the share's size as much
+    as the rail: no worth is kept, and the flattered small share moves it by damped steps
+    only."""
+    slow = [8e-7] * 8
+    bal = hot([4e-8, 4e-8] + slow)
+    rs = bal.rs
+    rs.used_b[2], rs.measured_at[2] = 2e-7, 0.021    # damped down from shares of 2.1 %
+    share = rs.shares()[2]
+    assert share > balance.SHIFT * 0.021 and share >= balance.WORTH_SHARE / 10
+    fall = (np.nan,) * 10
+    evs = one_op(bal, [[4e-8, 4e-8] + slow] * 3, counts=1, fall=fall)   # larger share: slow
+    assert 2 in evs[0][1]["shifted"] and rs.used_b[2] == pytest.approx(8e-7)
+    assert rs.worth[2] == 0.0
+    for _ in range(3):                  # its small share flattered again by the burst
+        one_op(bal, [[4e-8, 4e-8, 2e-7] + slow[1:]] * 3, counts=1, fall=fall,
+               slack=[0.0] * 2 + [0.8] + [0.0] * 7)
+        assert rs.used_b[2] > 8e-7 / balance.SHIFT, "jumped back to a burst's cost"
+    # a rail that slows at the share its cost was measured at keeps its worth
+    bal = hot([4e-8, 4e-8, 2e-7] + slow[1:])
+    one_op(bal, [[4e-8, 4e-8, 8e-7] + slow[1:]] * 3, counts=1, fall=fall)
+    assert bal.rs.worth[2] == pytest.approx(2e-7)
