@@ -467,8 +467,8 @@ class RailState:
         self.before = [0.0] * nrails      # per rail: its cost in use when it began to look slower
         self.confirmed = [False] * nrails  # per rail: a HOT table agreed with its cost in use
         self.held: tuple = ()             # rails the applied split used at the last table
-        # per rail: the share at which its cost in use was measured (0: unknown), and at which
-        # its worth was (_grew: a cost rise with a share several times larger is no news)
+        # per rail: the share at which its cost in use was measured (0: unknown), and the one
+        # its worth was measured at (_grew: a rise at a share SHIFT x larger keeps no worth)
         self.measured_at = [0.0] * nrails
         self.worth_at = [0.0] * nrails
         self.backed = [False] * nrails    # per rail: the last table made it jump back faster
@@ -576,7 +576,8 @@ class RailState:
         rail confirmed within SHIFT x of its worth is back, and the worth is done: done when
         the jump landed instead, a worth guessed from a share done early was gone by the
         time the next table found it wrong, and the rail then "slowed" from it, which made
-        it the worth again (seed 44 of ``testbed shapes``)."""
+        it the worth again (seed 44 of ``testbed shapes``). A confirmed cost is measured at
+        the rail's share in the split now (``measured_at``, ``_grew``)."""
         shares = self.shares()
         for r in self.live:
             if r in jumps:           # judged against a cost no longer in use
