@@ -103,6 +103,8 @@ Q_ARRIVALS, Q_ACKS = 1, 2   # the questions that also go as datagrams (pathprobe
 PROBE_EARLY = 0.3        # of the watchdog's limit: path probes start, so their verdict is in
 UNHEARD_S = 1.0          # s a peer may leave its first probes unanswered before it counts as
                          # one that never answers them (UDP filtered), not as a slow one
+PROBE_TIMEOUT_UNTIMED = 0.25   # s a probe is given on a rail nothing has timed yet (see
+                               # Health._probe_timeout)
 
 
 class RailStalled(CommError):
@@ -463,10 +465,19 @@ class Health:
     def _probe_timeout(self, conn) -> float:
         """The least a probe on the rail is given: it queues behind the rail's bulk data, so
         twice the connection's smoothed RTT (which grows with that queue when a rail slows;
-        a black hole leaves it as it was) and two 64 KiB segments at the rail's cost."""
+        a black hole leaves it as it was) and two 64 KiB segments at the rail's cost.
+
+        A rail nothing has timed yet (the first operation) gets PROBE_TIMEOUT_UNTIMED: its
+        cost is a guess, and TCP's RTT was sampled before the queues filled. A 10 Mbit/s
+        rail at MTU 9000 queues 20 frames, 144 ms, each way: its probes came back after up
+        to 157 ms, and three of them, given 27-52 ms in the first half second of a run, failed
+        a live rail (4-5 hosts x 10-11 rails; seeds 1 and 44 of ``testbed shapes``). A
+        black hole in the first operation is told 0.2 s later; one in any later operation
+        is not (the rail has been timed by then)."""
         ti = tcp_info(conn.sock) if conn.tcp_info_ok else None
-        return max(PROBE_TIMEOUT_MIN, 2 * (64 << 10) * self.cost(conn.rail),
-                   2 * ti.rtt if ti else 0.0)
+        untimed = self.measured_cost(conn.rail) is None
+        return max(PROBE_TIMEOUT_UNTIMED if untimed else PROBE_TIMEOUT_MIN,
+                   2 * (64 << 10) * self.cost(conn.rail), 2 * ti.rtt if ti else 0.0)
 
     def _ref_rail(self, conn) -> Optional[int]:
         others = [r for r in self.eng.live_rails(conn.peer, data=False) if r != conn.rail]

@@ -397,3 +397,44 @@ def test_a_rail_nothing_has_timed_yet_is_not_judged_by_its_silence():
     bal.agree(table)
     health._silent(quiet, t)
     assert questions and questions[0]["what"] == "acks?"      # 300 ms > 2 x its limit
+
+
+def test_probes_on_a_rail_nothing_has_timed_yet_are_given_its_deepest_queue():
+    """A 10 Mbit/s rail at MTU 9000 queues 20 frames (144 ms) each way, and in the first
+    operation its probes came back after 96 ms: given 27-52 ms, three live rails were failed
+    in the first half second of a run (4-5 hosts x 10-11 rails, seeds 1 and 44 of ``testbed
+    shapes``). Before anything has timed the rail its probes get PROBE_TIMEOUT_UNTIMED; once a
+    table has, the same silence is judged as before (a black hole is told in tens of ms)."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from nezha import balance
+    from nezha.health import Health
+    t0, answer_after = 1000.0, 0.096
+
+    def verdict(peer, rail, now, ref=None, least=0.0):
+        if now - t0 >= answer_after:                 # the answer that a live rail sends
+            return True
+        return False if now - t0 >= least else None  # unanswered for ``least``: dead
+
+    bal = balance.Balancer(2, "nezha")
+    prober = SimpleNamespace(heard={1}, first_asked={}, available=lambda rail: True,
+                             ask=lambda *a, **k: None, verdict=verdict,
+                             describe=lambda *a: {})
+    eng = SimpleNamespace(rank=0, balancer=bal, live_rails=lambda peer, data=True: [0, 1],
+                          events=SimpleNamespace(emit=lambda *a, **k: None))
+    health = Health(eng, lambda *a: None, ["a", "b"], prober=prober)
+    failed = []
+    conn = SimpleNamespace(peer=1, rail=1, sock=None, tcp_info_ok=False, dead_why="",
+                           dead_t=0.0, fail=failed.append, tcp_moved=0.0, last_ack=0.0,
+                           check_ok_t=0.0, rx_ok_t=0.0, last_rx=0.0, check_why="")
+    health.dead(conn, "no progress for 28 ms with 1 chunks outstanding", t0)
+    assert not health._judge(conn, t0 + 0.06) and not failed     # still waiting for it
+    assert not health._judge(conn, t0 + answer_after) and not failed   # it answered
+    table = np.full((3, 2, balance.TABLE_COLUMNS), np.nan)
+    table[:, :, :3] = [(1e-4, 8e-8, 5), (1e-4, 8e-8, 5)]         # both timed at 100 Mbit/s
+    bal.agree(table)
+    answer_after = float("inf")                                  # a black hole now
+    health.dead(conn, "no progress for 28 ms with 1 chunks outstanding", t0)
+    assert health._judge(conn, t0 + 0.06) and failed             # told within 60 ms
