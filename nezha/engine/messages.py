@@ -78,4 +78,6 @@ class SendMsg:
         self.t_queued = 0.0
         self.left: dict[int, int] = {}        # share rail -> chunks not yet acknowledged
         self.done_at: dict[int, float] = {}   # share rail -> when its last chunk was
-        self.idle: set[int] = set()           # rails with nothing unacknowledged when queued
+        # rails with nothing unacknowledged when queued -> the peer's payload bytes we had
+        # read on them then (engine.send._sample_a)
+        self.idle: dict[int, int] = {}

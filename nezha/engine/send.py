@@ -71,7 +71,8 @@ class Sending:
             self._cut(msg, plan)
             self.sends[key] = msg
             # a start-up sample is only honest from a rail with nothing of ours before it
-            msg.idle = {r for r in msg.share if self.conns[(dst, r)].unacked == 0}
+            msg.idle = {r: c.rx_bytes for r in msg.share
+                        if (c := self.conns[(dst, r)]).unacked == 0}
             todo = [(self.conns[(dst, ch.rail)], ch) for ch in msg.chunks]
             for conn, ch in todo:
                 self._account(conn, ch)
@@ -163,9 +164,18 @@ class Sending:
         known. Without b_r the sample is mostly the bytes' own time: 60 KB shares of a
         14-rail COLD split gave 10 Mbit/s rails a_r = 46 ms and 80 Mbit/s ones 3-5 ms, so
         in HOT the best rail carried 25 % of each block instead of 19 % and set the pace
-        (1.4x slower than that split pinned)."""
+        (1.4x slower than that split pinned).
+
+        Nor when the peer's own data came in on the rail meanwhile: its acknowledgement
+        queued behind that data (in the peer's socket and on the wire), so the sample is
+        the peer's backlog, not our start-up. Between 2 ranks every rail carries data both
+        ways; 62 KB shares of a 36 Mbit/s rail sampled a_r = 38 ms, which took the rail out
+        of the split for seconds at a time (2 hosts x 16 rails, seed 32 of ``testbed
+        shapes``)."""
         share = msg.share.get(rail, 0)
-        if share <= A_SAMPLE_MAX and tries == 1 and rail in msg.t0 and rail in msg.idle:
+        rx0, conn = msg.idle.get(rail), self.conns.get((msg.dst, rail))
+        if share <= A_SAMPLE_MAX and tries == 1 and rail in msg.t0 and rx0 is not None \
+                and conn is not None and conn.rx_bytes == rx0:
             if all(c.acked for c in msg.chunks if c.rail == rail):
                 b = self.balancer.est[rail].b if rail < len(self.balancer.est) else float("nan")
                 if b == b:

@@ -102,6 +102,7 @@ class _Conn:
     def __init__(self, rail: int):
         self.peer, self.rail, self.ident = 1, rail, (40000 + rail, 50000 + rail)
         self.unacked, self.busy_since, self.queued = 0, 0.0, []
+        self.rx_bytes = 0           # the peer's payload bytes read from it
 
     def put(self, item):
         self.queued.append(item)

@@ -170,6 +170,7 @@ class FakeConn:
         self.queued = []
         self.revoked = 0
         self.rx_all = 0           # bytes that came in on it (the engine's op_rx, costs.op_ended)
+        self.rx_bytes = 0         # payload bytes of the peer's DATA frames read from it
 
     def arrived(self):
         return self.rx_all
@@ -261,6 +262,36 @@ def test_a_late_share_is_copied_to_a_finished_rail_once_and_its_own_copy_stays_o
     for ch in by_rail[1]:
         ack(eng, c1, ch)                              # rail 1 delivers late: settled
     assert c1.unacked == 0 and c1.orphans == 0
+
+
+def test_a_start_up_sample_is_not_taken_while_the_peers_data_came_in_on_the_rail():
+    """A small share's time to its acknowledgement, less its bytes' time, is the rail's
+    start-up cost a_r, unless the acknowledgement queued behind the peer's own data on that
+    rail. Between 2 ranks every rail carries data both ways, and 62 KB shares of a 36
+    Mbit/s rail sampled a_r = 38 ms: the rail left the split for seconds at a time (2 hosts
+    x 16 rails, seed 32 of ``testbed shapes``)."""
+    eng = engine()
+    c0, c1 = FakeConn(1, 0), FakeConn(1, 1)
+    eng.conns = {(1, 0): c0, (1, 1): c1}
+    for r in (0, 1):
+        for _ in range(3):
+            eng.balancer.est[r].record_b(1 << 20, 0.08)       # ~100 Mbit/s, both rails
+    op = eng.begin_op()
+    view = memoryview(bytearray(64 << 10))
+    msg = eng.send(1, op, 0, view, Desc(wire.K_ALLREDUCE, 1, 1, 1 << 20), elem=4)
+    by_rail = {r: [ch for ch in msg.chunks if ch.rail == r] for r in (0, 1)}
+    assert by_rail[0] and by_rail[1] and set(msg.idle) == {0, 1}
+    for ch in by_rail[0] + by_rail[1]:
+        assert eng.before_send(c0 if ch.rail == 0 else c1, ch) is not None
+    c1.rx_bytes += 256 << 10          # the peer's data on rail 1, ahead of its acknowledgement
+    time.sleep(0.02)
+    for ch in by_rail[0] + by_rail[1]:
+        ack(eng, c0 if ch.rail == 0 else c1, ch)
+    assert msg.complete
+    assert len(eng.balancer.est[0].a_window) == 1        # rail 0: a sample, ~17 ms
+    assert eng.balancer.est[0].fresh_a() == pytest.approx(0.017, abs=0.015)
+    assert len(eng.balancer.est[1].a_window) == 0        # rail 1: none
+    eng.end_op(op)
 
 
 @pytest.fixture
