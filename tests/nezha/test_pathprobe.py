@@ -401,10 +401,11 @@ def test_a_rail_nothing_has_timed_yet_is_not_judged_by_its_silence():
 
 def test_probes_on_a_rail_nothing_has_timed_yet_are_given_its_deepest_queue():
     """A 10 Mbit/s rail at MTU 9000 queues 20 frames (144 ms) each way, and in the first
-    operation its probes came back after 96 ms: given 27-52 ms, three live rails were failed
-    in the first half second of a run (4-5 hosts x 10-11 rails, seeds 1 and 44 of ``testbed
-    shapes``). Before anything has timed the rail its probes get PROBE_TIMEOUT_UNTIMED; once a
-    table has, the same silence is judged as before (a black hole is told in tens of ms)."""
+    operation its probes came back after up to 157 ms (here: 96): given 27-52 ms, three live
+    rails were failed in the first half second of a run (4-5 hosts x 10-11 rails, seeds 1
+    and 44 of ``testbed shapes``). Before anything has timed the rail its probes get
+    PROBE_TIMEOUT_UNTIMED; once a table has, the same silence is judged as before (a black
+    hole is told in tens of ms)."""
     from types import SimpleNamespace
 
     import numpy as np

@@ -289,7 +289,7 @@ def test_a_start_up_sample_is_not_taken_while_the_peers_data_came_in_on_the_rail
         ack(eng, c0 if ch.rail == 0 else c1, ch)
     assert msg.complete
     assert len(eng.balancer.est[0].a_window) == 1        # rail 0: a sample, ~17 ms
-    assert eng.balancer.est[0].fresh_a() == pytest.approx(0.017, abs=0.015)
+    assert eng.balancer.est[0].fresh_a() >= 0.015        # (the wait less its bytes' time)
     assert len(eng.balancer.est[1].a_window) == 0        # rail 1: none
     eng.end_op(op)
 
