@@ -475,9 +475,10 @@ class Health:
         black hole in the first operation is told 0.2 s later; one in any later operation
         is not (the rail has been timed by then)."""
         ti = tcp_info(conn.sock) if conn.tcp_info_ok else None
-        untimed = self.measured_cost(conn.rail) is None
-        return max(PROBE_TIMEOUT_UNTIMED if untimed else PROBE_TIMEOUT_MIN,
-                   2 * (64 << 10) * self.cost(conn.rail), 2 * ti.rtt if ti else 0.0)
+        known = self.measured_cost(conn.rail)
+        least = PROBE_TIMEOUT_UNTIMED if known is None else \
+            max(PROBE_TIMEOUT_MIN, 2 * (64 << 10) * known)
+        return max(least, 2 * ti.rtt if ti else 0.0)
 
     def _ref_rail(self, conn) -> Optional[int]:
         others = [r for r in self.eng.live_rails(conn.peer, data=False) if r != conn.rail]

@@ -11,6 +11,17 @@ import pytest
 from nezha import pathprobe
 from nezha.pathprobe import PathProber
 
+
+def _two_rail_health(bal, prober, **engine):
+    """A Health on rank 0 with rails 0 and 1 live to peer 1, over a stand-in engine with the
+    balancer ``bal`` (events dropped); ``engine`` adds what the test's path needs."""
+    from types import SimpleNamespace
+
+    from nezha.health import Health
+    eng = SimpleNamespace(rank=0, balancer=bal, live_rails=lambda peer, data=True: [0, 1],
+                          events=SimpleNamespace(emit=lambda *a, **k: None), **engine)
+    return Health(eng, lambda *a: None, ["a", "b"], prober=prober)
+
 KEY = b"k" * 32
 
 
@@ -338,7 +349,6 @@ def test_a_slow_rail_keeps_its_limits_while_its_estimate_is_empty_or_flattered()
     import numpy as np
 
     from nezha import balance
-    from nezha.health import Health
     bal = balance.Balancer(2, "nezha")
     for _ in range(2):                   # every rank reports 100 and 10 Mbit/s: HOT
         t = np.full((3, 2, balance.TABLE_COLUMNS), np.nan)
@@ -349,9 +359,7 @@ def test_a_slow_rail_keeps_its_limits_while_its_estimate_is_empty_or_flattered()
     prober = SimpleNamespace(heard={1}, first_asked={}, available=lambda rail: True,
                              ask=lambda *a, **k: None,
                              verdict=lambda peer, rail, now, ref=None, least=0.0: asked.append(least))
-    eng = SimpleNamespace(rank=0, balancer=bal, live_rails=lambda peer, data=True: [0, 1],
-                          events=SimpleNamespace(emit=lambda *a, **k: None))
-    health = Health(eng, lambda *a: None, ["a", "b"], prober=prober)
+    health = _two_rail_health(bal, prober)
     window = 64 << 10
     assert health.stall_limit(1) >= 3 * window * 8e-7         # 157 ms, not the 20 ms floor
     assert health.stall_limit(0) == pytest.approx(health.watchdog_min)
@@ -375,7 +383,6 @@ def test_a_rail_nothing_has_timed_yet_is_not_judged_by_its_silence():
     import numpy as np
 
     from nezha import balance
-    from nezha.health import Health
     bal = balance.Balancer(2, "nezha")
     questions = []
     prober = SimpleNamespace(heard={1}, first_asked={}, available=lambda rail: True,
@@ -385,12 +392,9 @@ def test_a_rail_nothing_has_timed_yet_is_not_judged_by_its_silence():
                             rx_check_id=None, rx_ok_t=0.0, rx_due_next=0.0, alive=True,
                             last_rx=t - 0.3)
     busy = SimpleNamespace(peer=1, rail=0, alive=True, last_rx=t - 0.001)
-    eng = SimpleNamespace(rank=0, balancer=bal, conns={(1, 0): busy, (1, 1): quiet},
-                          live_rails=lambda peer, data=True: [0, 1],
-                          share_due=lambda peer, rail: True,
-                          send_control=lambda peer, msg, avoid=None: questions.append(msg),
-                          events=SimpleNamespace(emit=lambda *a, **k: None))
-    health = Health(eng, lambda *a: None, ["a", "b"], prober=prober)
+    health = _two_rail_health(bal, prober, conns={(1, 0): busy, (1, 1): quiet},
+                              share_due=lambda peer, rail: True,
+                              send_control=lambda peer, msg, avoid=None: questions.append(msg))
     assert not health._silent(quiet, t) and not questions       # COLD, nothing measured
     table = np.full((3, 2, balance.TABLE_COLUMNS), np.nan)
     table[:, :, :3] = [(1e-4, 1e-8, 5), (1e-4, 1e-8, 5)]         # 800 Mbit/s each
@@ -411,7 +415,6 @@ def test_probes_on_a_rail_nothing_has_timed_yet_are_given_its_deepest_queue():
     import numpy as np
 
     from nezha import balance
-    from nezha.health import Health
     t0, answer_after = 1000.0, 0.096
 
     def verdict(peer, rail, now, ref=None, least=0.0):
@@ -423,9 +426,7 @@ def test_probes_on_a_rail_nothing_has_timed_yet_are_given_its_deepest_queue():
     prober = SimpleNamespace(heard={1}, first_asked={}, available=lambda rail: True,
                              ask=lambda *a, **k: None, verdict=verdict,
                              describe=lambda *a: {})
-    eng = SimpleNamespace(rank=0, balancer=bal, live_rails=lambda peer, data=True: [0, 1],
-                          events=SimpleNamespace(emit=lambda *a, **k: None))
-    health = Health(eng, lambda *a: None, ["a", "b"], prober=prober)
+    health = _two_rail_health(bal, prober)
     failed = []
     conn = SimpleNamespace(peer=1, rail=1, sock=None, tcp_info_ok=False, dead_why="",
                            dead_t=0.0, fail=failed.append, tcp_moved=0.0, last_ack=0.0,

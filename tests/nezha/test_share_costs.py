@@ -281,15 +281,22 @@ def test_a_start_up_sample_is_not_taken_while_the_peers_data_came_in_on_the_rail
     msg = eng.send(1, op, 0, view, Desc(wire.K_ALLREDUCE, 1, 1, 1 << 20), elem=4)
     by_rail = {r: [ch for ch in msg.chunks if ch.rail == r] for r in (0, 1)}
     assert by_rail[0] and by_rail[1] and set(msg.idle) == {0, 1}
+    t_sent = [time.monotonic()]
     for ch in by_rail[0] + by_rail[1]:
         assert eng.before_send(c0 if ch.rail == 0 else c1, ch) is not None
+    t_sent.append(time.monotonic())
     c1.rx_bytes += 256 << 10          # the peer's data on rail 1, ahead of its acknowledgement
     time.sleep(0.02)
+    t_acked = [time.monotonic()]
     for ch in by_rail[0] + by_rail[1]:
         ack(eng, c0 if ch.rail == 0 else c1, ch)
+    t_acked.append(time.monotonic())
     assert msg.complete
-    assert len(eng.balancer.est[0].a_window) == 1        # rail 0: a sample, ~17 ms
-    assert eng.balancer.est[0].fresh_a() >= 0.015        # (the wait less its bytes' time)
+    # rail 0: one sample, its wait for the acknowledgement less its bytes' time
+    assert len(eng.balancer.est[0].a_window) == 1
+    bytes_time = msg.share[0] * eng.balancer.est[0].b
+    assert t_acked[0] - t_sent[1] - bytes_time <= eng.balancer.est[0].fresh_a() \
+        <= t_acked[1] - t_sent[0] - bytes_time
     assert len(eng.balancer.est[1].a_window) == 0        # rail 1: none
     eng.end_op(op)
 
