@@ -117,7 +117,8 @@ STEP_MIN = 0.0625      # ...and 1/16 of the way once it turned back four times
 PROBE_AFTER = 3        # tables without news of a rail before it is given a probing share
 PROBE_AFTER_MAX = 12   # (doubled by every probe that leaves it out again, up to this)...
 PROBE_RATIO = 20.0     # ...as if it cost this many times the best rail per byte,
-PROBE_MEASURES = 2     # ...and its first this many measurements replace its cost whole
+PROBE_MEASURES = 2     # ...and its first this many measurements replace its cost whole,
+PROBE_GROWTH = 2.0     # ...the first no more than this many times cheaper than the probe's
 PROBE_RATIO_MAX = 100.0  # a rail its last two probes found slower than PROBE_RATIO is probed
                        # at the faster of those costs, up to this many times the best (a
                        # share too small to time measures nothing): 10 Mbit/s rails next to
@@ -556,7 +557,8 @@ class RailState:
         jumps = self._shifts(recent) if recent is not None else {}
         self._confirm(b, usable, recent, jumps)
         self._look_again_soon(jumps)
-        jumps.update(self._measured_probes(b, usable, counts, recent))
+        probes = self._measured_probes(b, usable, counts, recent)
+        jumps.update(probes)
         if recent is not None:
             b = self._within_slack(b, jumps, recent.slack_lo)
             b = self._without_past_rises(b, jumps, recent.last_hi)
@@ -564,7 +566,7 @@ class RailState:
         news = [r for r in usable if counts[r] >= self.patience]
         if not news and not jumps and not self._probe_due():
             return []
-        return self._damped_move(a, b, news, jumps)
+        return self._damped_move(a, b, news, jumps, measured=bool(probes))
 
     def _confirm(self, b, usable, rec: Recent | None, jumps: dict) -> None:
         """A HOT table confirms a rail's cost in use when its estimate, or its last operation
@@ -693,7 +695,18 @@ class RailState:
             cost = b[r] if r in usable else (
                 rec.last_hi[r] if rec is not None and counts[r] >= 1 else float("nan"))
             if _usable(cost):
-                out[r] = cost
+                if self.probed[r] == PROBE_MEASURES and self._found_slow(r):
+                    # the first is taken at the probing share, which a token bucket refilled
+                    # while the rail sat out may pass whole: it tells how fast the rail is
+                    # for a share that size, not for more. Taken whole, 10 Mbit/s rails
+                    # (MTU 9000: a 36 KB bucket) that every probe found 23-30x the best
+                    # looked 2-7x at the next, got 6-15 % of the following message where
+                    # 2 % was right, and that operation ran 2-3x as long (seed 44 of
+                    # ``testbed shapes``). The second, at the share this one gives, is
+                    # taken whole
+                    out[r] = max(cost, self.used_b[r] / PROBE_GROWTH)
+                else:
+                    out[r] = cost
                 self.probed[r] -= 1
                 if self.probed[r] and cost > PROBE_RATIO * self._best_in_use():
                     # found beyond the probing class: its next share is a crumb (0.6 % of
@@ -710,6 +723,15 @@ class RailState:
                         # interval left it out 2 s more: collapsing-rail.yaml)
                         self.probe_after[r] = 1
         return out
+
+    def _found_slow(self, r: int) -> bool:
+        """Whether the last probe of rail ``r`` found it beyond the probing class: then a
+        first measurement that finds it far cheaper contradicts that, and is trusted for at
+        most PROBE_GROWTH x the probing share (``_measured_probes``). A rail no probe has
+        found slow (one back from a loss burst) is taken at its first measurement whole."""
+        found = self.probe_found[r]
+        best = self._best_in_use()
+        return bool(found) and _usable(best) and found[-1] > PROBE_RATIO * best
 
     def _best_in_use(self) -> float:
         """The least cost per byte in use among the live rails (nan if none is known)."""
@@ -955,7 +977,7 @@ class RailState:
         return [("state", {"state": HOT, "reason": self.reason}),
                 ("weights", self.weights_fields())]
 
-    def _damped_move(self, a, b, news, jumps=None) -> list:
+    def _damped_move(self, a, b, news, jumps=None, measured: bool = False) -> list:
         """Move each live rail's cost in use part of the way towards the table (a rail in
         ``jumps`` all the way to its new cost), and only if that saves more than HYSTERESIS of
         a 16 MiB message's time (``_saving``). A share's cost depends on its size (a token bucket
@@ -997,8 +1019,10 @@ class RailState:
         for r, cost in jumps.items():
             full[r] = cost
         target = self._model_shares(REF_SIZE, sa, full)
-        # a probe is a measurement: it is made even where the model sees no saving in it
-        if not probing and max(self._saving(old, new), self._saving(old, target)) <= HYSTERESIS:
+        # a probe is a measurement, made and taken (``measured``: a first one PROBE_GROWTH
+        # bounded, dropped, left the rail at its probing share) where the model sees no saving
+        saving = max(self._saving(old, new), self._saving(old, target))
+        if not probing and not measured and saving <= HYSTERESIS:
             return []
         self.step, self.trend = step, trend
         if jumps:
