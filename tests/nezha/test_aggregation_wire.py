@@ -20,6 +20,8 @@ from testbed.aggregation.pacing import TokenBucket
 from testbed.aggregation.service import Service
 from testbed.aggregation.table import Limits
 
+from asyncloop import cancel_the_rest
+
 SECRET = "s3cret-of-the-job-0123456789"
 
 
@@ -43,8 +45,11 @@ class Running:
 
     def stop(self) -> None:
         self.call(self.service.stop())
+        self.call(cancel_the_rest())
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(5)
+        self.loop.close()
+
 
 
 @pytest.fixture

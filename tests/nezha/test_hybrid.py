@@ -18,6 +18,7 @@ from testbed.aggregation.service import Service
 from testbed.aggregation.table import Limits
 
 import hybridfns
+from asyncloop import cancel_the_rest
 
 MiB = 1 << 20
 
@@ -47,8 +48,10 @@ class Switch:
 
     def close(self) -> None:
         self.stop()
+        self._call(cancel_the_rest())
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(5)
+        self.loop.close()
 
 
 @pytest.fixture
