@@ -21,7 +21,7 @@ NEZHA_MASTER                str      (none)          HOST:PORT of the store (wor
 NEZHA_SYSTEM                str      nezha           nezha|single|stripe|mptcp (gloo: worker)
 NEZHA_TIMEOUT               float    30              s for rendezvous and for each collective wait
 NEZHA_EVENT_LOG             path     (none)          JSON-lines event log (nezha/events.py)
-NEZHA_LOG_OPS               flag     0               1: call / op_start / op_end events
+NEZHA_LOG_OPS               flag     0               1: call / op_start / op_end / exchange events
 NEZHA_STORE_EXTERNAL        flag     0               1: rank 0 does not serve the store
 NEZHA_JOB_SECRET            str      (none)          shared secret of the job's ranks (>= 16
                                                      characters): authenticates every store

@@ -51,7 +51,6 @@ class Running:
         self.loop.close()
 
 
-
 @pytest.fixture
 def switch(request):
     limits = getattr(request, "param", Limits(key_timeout=2.0))
