@@ -429,6 +429,43 @@ class Recent(NamedTuple):
                           # HOP_RISE_SAMPLES)
 
 
+def _agreed_columns(tables: np.ndarray) -> tuple[list, list, Recent]:
+    """Balancer.agree's reading of the gathered tables, every rail at once: the median
+    start-up, and over the ranks that sent on a rail its largest estimate and the least or
+    largest of each recent column (nan where none sent, or where one of them cannot tell).
+    Whole-table numpy, not per rail: a table is read every operation when operations are
+    long, and per-rail reductions made the agreement 0.7 ms on 4 rails (1.7 ms on 16)."""
+    sending = tables[:, :, 2] > 0
+    anyone = sending.any(axis=0)
+
+    def pick(column: int, most: bool) -> list:
+        x = np.where(sending, tables[:, :, column], -np.inf if most else np.inf)
+        v = x.max(axis=0) if most else x.min(axis=0)     # a nan among the senders stays
+        return np.where(anyone, v, np.nan).tolist()
+
+    samples = np.where(sending, tables[:, :, 2], np.inf).min(axis=0)
+    recent = Recent(
+        last_lo=pick(3, False), last_hi=pick(3, True), rise_lo=pick(4, False),
+        rise_hi=pick(4, True), fall_hi=pick(5, True),
+        samples=[int(x) if ok else 0 for x, ok in zip(samples.tolist(), anyone.tolist())],
+        tail_hi=pick(TAIL_COLUMN, True), tail_rise_lo=pick(TAIL_RISE_COLUMN, False),
+        slack_lo=pick(SLACK_COLUMN, False),
+        hop_last=list(np.where(sending, tables[:, :, 3], np.nan).T.tolist()),
+        hop_rise=list(np.where(tables[:, :, 2] >= HOP_RISE_SAMPLES, tables[:, :, 4],
+                               np.nan).T.tolist()))
+    a = [_median([x for x in col if not math.isnan(x)]) for col in tables[:, :, 0].T.tolist()]
+    return a, pick(1, True), recent
+
+
+def _median(xs: list) -> float:
+    """np.median's value (the mean of the middle two for an even count), nan for none."""
+    if not xs:
+        return float("nan")
+    xs = sorted(xs)
+    k = len(xs) // 2
+    return xs[k] if len(xs) % 2 else (xs[k - 1] + xs[k]) / 2
+
+
 class RailState:
     """The agreed cold/hot state of the live rail set (identical on all ranks)."""
 
@@ -1291,36 +1328,16 @@ class Balancer:
         the largest last-operation costs that tell a change (RailState._shifts)."""
         self.ops_since_exchange = 0
         self.pending_s = 0.0
-        a, b, counts = [], [], []
-        recent = Recent(last_lo=[], last_hi=[], rise_lo=[], rise_hi=[], fall_hi=[],
-                        samples=counts, tail_hi=[], tail_rise_lo=[], slack_lo=[],
-                        hop_last=[], hop_rise=[])
-        for r in range(self.nrails):
-            col = tables[:, r, :]
-            As = col[:, 0][~np.isnan(col[:, 0])]
-            a.append(float(np.median(As)) if len(As) else float("nan"))
-            sending = col[:, 2] > 0
-            sent = col[sending]
-            counts.append(int(sent[:, 2].min()) if len(sent) else 0)
-            recent.hop_last.append(np.where(sending, col[:, 3], np.nan))
-            recent.hop_rise.append(np.where(col[:, 2] >= HOP_RISE_SAMPLES, col[:, 4], np.nan))
-            for values, column, pick in ((b, 1, np.max), (recent.last_lo, 3, np.min),
-                                         (recent.last_hi, 3, np.max), (recent.rise_lo, 4, np.min),
-                                         (recent.rise_hi, 4, np.max), (recent.fall_hi, 5, np.max),
-                                         (recent.tail_hi, TAIL_COLUMN, np.max),
-                                         (recent.tail_rise_lo, TAIL_RISE_COLUMN, np.min),
-                                         (recent.slack_lo, SLACK_COLUMN, np.min)):
-                x = sent[:, column]
-                values.append(float(pick(x)) if len(x) and not np.isnan(x).any() else float("nan"))
+        a, b, recent = _agreed_columns(tables[:, :, :TABLE_COLUMNS])
+        counts = recent.samples
         # a rail never used for a small message has no start-up estimate: assume the best
         # measured one (the rails differ in rate far more than in start-up), else nominal
         known = [x for x in a if not math.isnan(x)]
         fill = min(known) if known else A_NOMINAL
         a = [fill if math.isnan(x) else x for x in a]
-        over = tables[:, 0, OVERHEAD_COLUMN]
-        over = over[~np.isnan(over)]
+        over = [x for x in tables[:, 0, OVERHEAD_COLUMN].tolist() if not math.isnan(x)]
         self.rs.hold()
-        self.agreed_overhead = float(np.median(over)) if len(over) else self.rail_cpu_s
+        self.agreed_overhead = _median(over) if over else self.rail_cpu_s
         self._use_overhead()
         evs = self.rs.observe(a, b, counts, recent)
         evs += self._try_overhead(tables[:, 0, OP_TIME_COLUMN])
@@ -1340,8 +1357,7 @@ class Balancer:
         if rs.state != HOT:
             evs = self.trial.reset()
         else:
-            known = op_times[~np.isnan(op_times)]
-            per_byte = float(np.median(known)) if len(known) else float("nan")
+            per_byte = _median([x for x in op_times.tolist() if not math.isnan(x)])
             evs = self.trial.observe(per_byte, rs.moved, self._worth_a_trial())
         if self._use_overhead() and rs.state == HOT:    # the split on the wire changes
             evs.append(("weights", rs.weights_fields()))

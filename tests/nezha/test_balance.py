@@ -1408,3 +1408,27 @@ def test_with_log_ops_each_exchange_logs_what_its_allgather_and_agreement_took(t
     assert exchanges[0]["gather_ms"] >= 0 and exchanges[0]["agree_ms"] > 0
     assert not [e for e in logged(False, 1 << 20) if e["event"] == "exchange"]
     assert not logged(True, 4 << 10)           # 4 KiB: no exchange is due, nothing logged
+
+
+def test_the_agreement_reads_each_rail_over_the_ranks_that_sent_on_it():
+    """Rail 0: every rank sent; rail 1: rank 2 did not (its huge figures must not count);
+    rail 2: a sender cannot tell its estimate yet, so the rail has none; rail 3: nobody
+    sent. The start-up is the median over every rank that measured one."""
+    nan = math.nan
+    t = np.full((3, 4, balance.TABLE_COLUMNS), nan)
+    t[:, :, 2] = [[5, 4, 6, 0], [7, 3, 6, 0], [9, 0, 6, 0]]          # samples
+    t[:, :, 1] = [[1e-9, 4e-9, 1e-9, nan], [3e-9, 2e-9, nan, nan], [2e-9, 9e-6, 3e-9, nan]]
+    t[:, :, 3] = [[1e-9, 5e-9, 2e-9, nan], [4e-9, 3e-9, 2e-9, nan], [2e-9, 9e-6, 2e-9, nan]]
+    t[:, :, 4] = [[1.0, 1.1, 1.0, nan], [2.0, 0.9, 1.0, nan], [1.5, 9.0, 1.0, nan]]
+    t[:, :, 0] = [[1e-4, 3e-4, nan, nan], [2e-4, 1e-4, nan, nan], [4e-4, nan, nan, 5e-4]]
+    a, b, rec = balance._agreed_columns(t)
+    assert a[:2] == [2e-4, pytest.approx(2e-4)] and math.isnan(a[2]) and a[3] == 5e-4
+    assert b[:2] == [3e-9, 4e-9] and math.isnan(b[2]) and math.isnan(b[3])
+    assert rec.samples == [5, 3, 6, 0]
+    assert rec.last_lo[:3] == [1e-9, 3e-9, 2e-9] and rec.last_hi[:3] == [4e-9, 5e-9, 2e-9]
+    assert rec.rise_lo[:2] == [1.0, 0.9] and rec.rise_hi[:2] == [2.0, 1.1]
+    assert all(math.isnan(x[3]) for x in (rec.last_lo, rec.last_hi, rec.rise_hi))
+    assert rec.hop_last[1][:2] == [5e-9, 3e-9] and math.isnan(rec.hop_last[1][2])
+    # a hop's rise counts from HOP_RISE_SAMPLES operations at the split
+    assert rec.hop_rise[1][0] == 1.1 and rec.hop_rise[1][1] == 0.9
+    assert math.isnan(rec.hop_rise[1][2])
