@@ -47,6 +47,8 @@ from .rendezvous import Member, Rendezvous
 from .transport import make_transport
 
 _MODES = {"nezha": "nezha", "stripe": "stripe", "single": "single", "mptcp": "single"}
+STORE_LINGER_S = 5.0    # the serving rank's close waits this long at most for the others'
+
 
 
 def _settings(config: Config, **given) -> Config:
@@ -352,7 +354,9 @@ class Context:
         if self._transport is not None:
             self._transport.close()
         if self._rdv is not None:
-            self._rdv.close()
+            # a job that failed needs no store; one that ends well keeps it for the ranks
+            # still finishing their last operation (they may connect on demand)
+            self._rdv.close(STORE_LINGER_S if eng.error is None else 0.0)
         eng.scratch.release()
         self.events.emit("close")
         self.events.close()

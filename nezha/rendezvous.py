@@ -336,10 +336,17 @@ class Rendezvous:
             self.owned_store.abort(why)
             time.sleep(0.3)
 
-    def close(self) -> None:
+    def close(self, linger_s: float = 0.0) -> None:
+        """Close the store client, and the store if this rank serves it: once the other ranks
+        closed theirs (StoreServer.linger), at most ``linger_s`` s later."""
         if self.owned_store is not None:
             self.owned_store.close()
         if self.server is not None:
+            t0 = time.monotonic()
+            left = self.server.linger(linger_s) if linger_s > 0 else 0
+            if left:
+                self.events.emit("store_closed_early", clients=left,
+                                 waited_s=round(time.monotonic() - t0, 3))
             self.server.close()
 
     # ------------------------------------------------------------------ 2. connect

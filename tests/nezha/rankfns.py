@@ -428,3 +428,16 @@ def ring_sizes_up_and_down(rank, world, port):
     if ctx._engine.scratch.kept:
         bad.append(("close() left the ring's buffer held", ctx._engine.scratch.kept))
     return bad
+
+
+def broadcasts(rank, world, port, roots, count=64):
+    """A broadcast from each of ``roots`` in turn, the job's last operations; whether every
+    rank got every root's array."""
+    exact = True
+    with make_ctx(rank, world, port) as ctx:
+        for root in roots:
+            b = data(root, root, count, "float64")
+            got = b.copy() if rank == root else np.zeros(count)
+            ctx.broadcast(got, root=root)
+            exact &= bool(np.array_equal(got, b))
+    return exact

@@ -132,6 +132,16 @@ def test_all_ranks_agree_on_state_and_splits():
     assert states[0][-1]
 
 
+def test_a_job_ending_on_broadcasts_from_other_roots_ends_cleanly_on_nine_ranks():
+    """A small broadcast is a star: the root connects to every peer on demand, and reads
+    each one's record from the store as it does. Rank 0, which serves the store, got its
+    copy and closed while root 5 was still connecting to rank 3: every rank failed with
+    "no connection to rank 3 on demand ... store ... Broken pipe". The serving rank now
+    keeps the store until the others closed theirs."""
+    res = ok_results(run_ranks(rankfns.broadcasts, 9, timeout=90, roots=[2, 5]))
+    assert all(res.values()), res
+
+
 @pytest.mark.parametrize("world", [2, 3, 5])
 def test_a_small_allreduce_goes_in_one_direct_round_spread_over_the_rails(world):
     """Below NEZHA_DIRECT_MAX (size x (world - 1), 256 KiB) every rank sends its whole array

@@ -33,6 +33,21 @@ def test_set_get_add_wait(store):
     t.join()
 
 
+def test_the_serving_rank_lingers_until_the_clients_left_but_not_past_its_bound(store):
+    """The rank serving the store keeps it while other ranks still hold clients (they may
+    connect on demand in their last operation), and no longer than it was told."""
+    srv, c = store
+    other = StoreClient("127.0.0.1", srv.port, timeout=2.0)
+    c.close()
+    t0 = time.monotonic()
+    assert srv.linger(0.3) == 1                    # one client never leaves: the bound
+    assert 0.25 < time.monotonic() - t0 < 2.0
+    threading.Timer(0.2, other.close).start()
+    t0 = time.monotonic()
+    assert srv.linger(5.0) == 0                    # it left: the store may close now
+    assert 0.1 < time.monotonic() - t0 < 2.0
+
+
 def test_wait_times_out(store):
     _, c = store
     t0 = time.monotonic()
