@@ -187,12 +187,17 @@ def direct_allreduce(call: Call, arr, redop, kind=wire.K_ALLREDUCE) -> None:
     eng.posted(op_id)
     copies[r] = arr
     mine = byteview(copies[r])
-    sends = [eng.send(p, op_id, 0, mine, desc, elem=arr.dtype.itemsize, rail=rail)
+    # sent detached: ``copies`` is this call's own, so nothing needs it back, and the
+    # operation is done when the peers' copies are in and ours are written. Waiting for our
+    # copies' ACKs too (a reader's and the caller's wake-up at each peer, then ours) was
+    # the last millisecond of a 2 ms allreduce of 64 KiB on 3 hosts
+    sends = [eng.send(p, op_id, 0, mine, desc, elem=arr.dtype.itemsize, rail=rail,
+                      detached=True)
              for p, rail in zip(peers, _spread(eng, arr.nbytes, n - 1))]
     for p in peers:
         eng.wait_recv(slots[p])
     _reduce_in_rank_order(copies, UFUNCS[redop], arr)
-    eng.wait_sent(sends)
+    eng.wait_written(sends)
 
 
 def _reduce_in_rank_order(copies: np.ndarray, uf, out: np.ndarray) -> None:

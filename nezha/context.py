@@ -325,6 +325,8 @@ class Context:
     # ------------------------------------------------------------------ teardown
     def _teardown(self):
         eng = self._engine
+        if self._rdv is not None:
+            eng.settle_detached(min(self.timeout, STORE_LINGER_S))
         eng.closing = True
         if getattr(self, "_hybrid", None) is not None:
             self._hybrid.close()

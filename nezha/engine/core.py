@@ -110,6 +110,8 @@ class Engine(Receiving, Sending, Agreement, Failover, Hedging):
             for k in ended:
                 del self.slots[k]
             for k in [k for k in self.sends if k[0] <= op_id]:
+                if self.sends[k].detached and not self.sends[k].complete:
+                    continue        # still the only copy of its bytes on the way: on_ack
                 msg = self.sends.pop(k)
                 for ch in msg.chunks:       # copies still out: their ACKs come later
                     for r in ch.out:
@@ -174,6 +176,27 @@ class Engine(Receiving, Sending, Agreement, Failover, Hedging):
         finally:
             self.cond.acquire()
         return exc
+
+    def wait_written(self, msgs, deadline=None):
+        """Until every chunk of ``msgs`` was handed to its rail (and counted there: a caller
+        reading the rail counters after the collective sees its bytes) or acknowledged. A
+        detached message's caller waits for this, not for its ACKs."""
+        msgs = list(msgs)
+        self.wait(lambda: all(m.complete or all(ch.t_send > 0 for ch in m.chunks)
+                              for m in msgs), "our messages to be written", (), deadline)
+
+    def settle_detached(self, timeout: float) -> None:
+        """Before closing: give the detached messages still on the way (a peer may still be
+        waiting for one) ``timeout`` s to be acknowledged. Never raises."""
+        end = time.monotonic() + timeout
+        with self.cond:
+            while self.error is None and any(
+                    m.detached and not m.complete and m.dst not in self.gone
+                    for m in self.sends.values()):
+                left = end - time.monotonic()
+                if left <= 0:
+                    return
+                self.cond.wait(min(left, 0.05))
 
     def wait_recv(self, slot: RecvSlot, deadline=None):
         op, step, src = slot.key

@@ -63,7 +63,7 @@ class SendChunk:
 class SendMsg:
     __slots__ = ("key", "dst", "view", "total", "kind", "dtype", "redop", "op_total", "aux",
                  "chunks", "unacked", "t0", "share", "complete", "t_queued", "left", "done_at",
-                 "idle")
+                 "idle", "detached")
 
     def __init__(self, key, dst, view, d: Desc):
         self.key, self.dst, self.view = key, dst, view
@@ -81,3 +81,6 @@ class SendMsg:
         # rails with nothing unacknowledged when queued -> the peer's payload bytes we had
         # read on them then (engine.send._sample_a)
         self.idle: dict[int, int] = {}
+        # from a private buffer that nothing waits to get back (a direct allreduce's own
+        # copy): outlives its operation until acknowledged (core.Engine.end_op)
+        self.detached = False

@@ -47,12 +47,16 @@ class Sending:
             if conn.unacked > 0:
                 conn.unacked -= 1
 
-    def send(self, dst, op_id, step, view, desc: Desc, elem=1, rail=None) -> SendMsg:
+    def send(self, dst, op_id, step, view, desc: Desc, elem=1, rail=None,
+             detached=False) -> SendMsg:
         """Send message (op_id, step) to ``dst``, split over the rails in units of ``elem``
-        (or whole on ``rail`` while that rail is live to ``dst``)."""
+        (or whole on ``rail`` while that rail is live to ``dst``). ``detached``: ``view`` is
+        a private buffer the caller will not wait on; the message is kept (rerouted on a
+        failure) until acknowledged, past the end of its operation."""
         self.reach(dst)
         key = (op_id, step, dst)
         msg = SendMsg(key, dst, view, desc)
+        msg.detached = detached
         msg.t_queued = time.monotonic()
         with self.cond:
             if self.error is not None:
@@ -118,6 +122,8 @@ class Sending:
             c = self.events.rails[conn.rail]
             c.bytes_sent += ch.length
             c.chunks_sent += 1
+            if msg.detached:
+                self.cond.notify_all()      # its caller waits for this (wait_written)
         hdr = wire.Header(wire.DATA, kind=msg.kind, dtype=msg.dtype, redop=msg.redop,
                           rail=conn.rail, src=self.rank, aux=aux, op_id=msg.key[0],
                           step=msg.key[1], chunk=ch.idx, offset=ch.offset, length=ch.length,
@@ -156,6 +162,8 @@ class Sending:
                 self._sample_a(msg, ch.rail, ch.tries, now)
             if msg.unacked == 0:
                 msg.complete = True
+                if msg.detached and msg.key[0] <= self.done_op:
+                    del self.sends[msg.key]     # its operation ended without it (end_op)
                 self.cond.notify_all()
 
     def _sample_a(self, msg: SendMsg, rail: int, tries: int, now: float) -> None:

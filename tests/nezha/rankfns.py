@@ -441,3 +441,31 @@ def broadcasts(rank, world, port, roots, count=64):
             ctx.broadcast(got, root=root)
             exact &= bool(np.array_equal(got, b))
     return exact
+
+
+def acks_held_back(rank, world, port, delay_s=0.6, count=4096):
+    """Rank 1 holds back every acknowledgement it sends by ``delay_s`` (a peer whose threads
+    wait for the CPU). Returns, per small allreduce, whether it was exact and how long it
+    took, and how many of this rank's messages were still unacknowledged right after the
+    last one and ``delay_s`` + 0.4 s later."""
+    import threading
+    with make_ctx(rank, world, port) as ctx:
+        eng = ctx._engine
+        if rank == 1:
+            real = eng._ack
+            eng._ack = lambda conn, h, delayed: threading.Timer(
+                delay_s, real, (conn, h, delayed)).start()
+        out = []
+        for it in range(3):
+            a = data(rank, it, count, "float32")
+            t0 = time.monotonic()
+            ctx.allreduce(a)
+            out.append((bool(np.array_equal(a, reference(world, it, count, "float32", "sum"))),
+                        time.monotonic() - t0))
+        left = len(eng.sends)
+        time.sleep(delay_s + 0.4)
+        later = len(eng.sends)
+        if rank == 1:
+            eng._ack = real
+        ctx.barrier()
+    return out, left, later
