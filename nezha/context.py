@@ -50,7 +50,6 @@ _MODES = {"nezha": "nezha", "stripe": "stripe", "single": "single", "mptcp": "si
 STORE_LINGER_S = 5.0    # the serving rank's close waits this long at most for the others'
 
 
-
 def _settings(config: Config, **given) -> Config:
     """``config`` with every argument the caller gave in place of its variable."""
     return replace(config, **{k: v for k, v in given.items() if v is not None})

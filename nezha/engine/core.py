@@ -182,8 +182,12 @@ class Engine(Receiving, Sending, Agreement, Failover, Hedging):
         reading the rail counters after the collective sees its bytes) or acknowledged. A
         detached message's caller waits for this, not for its ACKs."""
         msgs = list(msgs)
-        self.wait(lambda: all(m.complete or all(ch.t_send > 0 for ch in m.chunks)
-                              for m in msgs), "our messages to be written", (), deadline)
+
+        def unwritten(m) -> bool:
+            return not m.complete and any(ch.t_send <= 0 for ch in m.chunks)
+        self.wait(lambda: not any(map(unwritten, msgs)),
+                  f"our messages to ranks {sorted({m.dst for m in msgs})} to be written",
+                  lambda: {m.dst for m in msgs if unwritten(m)}, deadline)
 
     def settle_detached(self, timeout: float) -> None:
         """Before closing: give the detached messages still on the way (a peer may still be
