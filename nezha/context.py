@@ -47,7 +47,8 @@ from .rendezvous import Member, Rendezvous
 from .transport import make_transport
 
 _MODES = {"nezha": "nezha", "stripe": "stripe", "single": "single", "mptcp": "single"}
-STORE_LINGER_S = 5.0    # the serving rank's close waits this long at most for the others'
+CLOSE_LINGER_S = 5.0    # close() waits at most this long (or the timeout) for what others
+                        # may still need: our detached copies, the store we serve
 
 
 def _settings(config: Config, **given) -> Config:
@@ -324,8 +325,9 @@ class Context:
     # ------------------------------------------------------------------ teardown
     def _teardown(self):
         eng = self._engine
+        linger = min(self.timeout, CLOSE_LINGER_S) if eng.error is None else 0.0
         if self._rdv is not None:
-            eng.settle_detached(min(self.timeout, STORE_LINGER_S))
+            eng.settle_detached(linger)
         eng.closing = True
         if getattr(self, "_hybrid", None) is not None:
             self._hybrid.close()
@@ -357,7 +359,7 @@ class Context:
         if self._rdv is not None:
             # a job that failed needs no store; one that ends well keeps it for the ranks
             # still finishing their last operation (they may connect on demand)
-            self._rdv.close(STORE_LINGER_S if eng.error is None else 0.0)
+            self._rdv.close(linger if eng.error is None else 0.0)
         eng.scratch.release()
         self.events.emit("close")
         self.events.close()
