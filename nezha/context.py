@@ -143,7 +143,8 @@ class Context:
         rdv.connect(deadline)
         self._prober = PathProber(self.rank, endpoints, rdv.rail_key,
                                   rdv.infos.endpoint,
-                                  blocked=self._probe_blocked)
+                                  blocked=self._probe_blocked,
+                                  dropped=self._engine.dropped)
         self._prober.start()
         # heartbeats start before the last barrier: a slow rank must not look dead; no rail
         # link events for MPTCP, whose one connection outlives any rail (transport/mptcp.py)

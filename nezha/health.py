@@ -49,7 +49,10 @@ DIAL_MIN .. DIAL_MAX, and one that timed out renews the neighbour entry), throug
 authenticated handshake as the first connect (``rejoin`` is rendezvous.Rendezvous.redial: it
 raises while the path is broken or the peer refuses, e.g. an unauthenticated peer whose end of
 the connection is still alive); on success the rail rejoins (CONTROL "up") once no rank
-reports it down.
+reports it down. A rank whose end of a connection failed says so in every answer about it
+(a path probe's DROPPED flag, wire.NO_CONNECTION for "arrivals?" and "acks?"): the peer fails
+its own end, stale since the rank's FIN never reached it, at once (``_stale``), rather than at
+its TCP's next retransmission, seconds after a host's links come back.
 
 When every rail to a peer has failed (the peer is *unreachable*, engine/failover.py), its
 rails are re-dialled every PROBE_UNREACHABLE at most, so the job resumes within a fraction of
@@ -440,7 +443,9 @@ class Health:
         conn = self.eng.conns.get((peer, rail))
         if not self._take(conn, "check_id", ident):
             return
-        if nbytes > 0:                       # slow, not dead: watch it afresh
+        if nbytes == wire.NO_CONNECTION:
+            self._stale(conn)
+        elif nbytes > 0:                     # slow, not dead: watch it afresh
             now = time.monotonic()
             conn.tcp_moved = conn.last_ack = conn.check_ok_t = now
             self.eng.events.emit("rail_alive", peer=peer, rail=rail, bytes=nbytes,
@@ -509,6 +514,9 @@ class Health:
             self._probe(conn, now)       # a no-op while a burst is under way
             return False
         why, conn.dead_why = conn.dead_why, ""
+        if verdict and self.prober.peer_dropped(conn.peer, conn.rail, conn.opened):
+            self._stale(conn)                # it answers, but our connection is gone there
+            return True
         if verdict:                          # it answers: slow or lossy, not dead
             conn.tcp_moved = conn.last_ack = conn.check_ok_t = conn.rx_ok_t = now
             conn.last_rx = max(conn.last_rx, now)    # (its answer came on this rail)
@@ -592,10 +600,11 @@ class Health:
         written them yet (32 ranks on 2 cores: a rank preempted between its rails' shares of
         a message for 100+ ms, whose idle rail was then failed), so the path is not the
         cause, unless the test hooks hold them back as a black hole would. Otherwise (the
-        writer cannot write: written bytes wait unsent), our own ACKs."""
+        writer cannot write: written bytes wait unsent), our own ACKs. wire.NO_CONNECTION
+        if our end of the connection failed (engine ``dropped``): the peer's is stale."""
         conn = self.eng.conns.get((peer, rail))
         if conn is None or not conn.alive:
-            return 0
+            return wire.NO_CONNECTION if self.eng.dropped(peer, rail) else 0
         if conn.unacked == 0:
             return 1
         ti = tcp_info(conn.sock) if conn.tcp_info_ok else None
@@ -612,11 +621,25 @@ class Health:
         if not self._take(conn, "rx_check_id", ident):
             return
         now = time.monotonic()
-        if moving:
+        if moving == wire.NO_CONNECTION:
+            self._stale(conn)
+        elif moving:
             conn.rx_ok_t = now                   # slow, not dead: quiet is measured afresh
-            return
-        self.dead(conn, conn.rx_check_why + f"; rank {peer}'s TCP got no ACK on it meanwhile",
-                  now)
+        else:
+            self.dead(conn, conn.rx_check_why + f"; rank {peer}'s TCP got no ACK on it "
+                      f"meanwhile", now)
+
+    def _stale(self, conn) -> None:
+        """The peer answered wire.NO_CONNECTION: its end of this connection failed, so ours
+        will carry nothing more, though our TCP holds it open (all of a host's links went
+        down: it dropped its connections, and its FIN or RST never arrived; our TCP, in
+        back-off, learns of it only at a retransmission seconds after the links' return).
+        Failed now, even as the last rail to the peer (the peer's word, not a suspicion), so
+        the pair's dialler dials it again at once."""
+        self.eng.events.emit("rail_suspected", peer=conn.peer, rail=conn.rail,
+                             reason="the peer's end of the connection failed")
+        conn.fail(PeerClosedError(f"rail {conn.rail} to rank {conn.peer}: its end of the "
+                                  f"connection failed (it answered so when asked)"))
 
     def suspect(self, conn, why):
         eng = self.eng

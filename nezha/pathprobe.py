@@ -19,7 +19,8 @@ the rendezvous. Datagrams carry an HMAC under the job's rail key and a random se
 a stranger can neither answer for a dead rail (making it look alive) nor replay an old
 answer; it cannot make a live rail look dead either, since only silence counts as evidence.
 Where a socket cannot be bound the rail has no probe and health.py decides as it did before
-(``verdict`` is None).
+(``verdict`` is None). An answer also says whether the answering rank's end of the pair's
+connection on that rail has failed (DROPPED): the asker's end is then stale (health.py).
 
 A datagram that this host's own queue drops (the rail's qdisc full of this rank's TCP data)
 is sent again, every millisecond for up to RESEND_FOR: with IP_RECVERR the kernel says so
@@ -56,6 +57,8 @@ IP_RECVERR = getattr(socket, "IP_RECVERR", 11)   # linux/in.h (Python does not n
 RESEND_MAX = 256           # datagrams waiting to be sent again, at most (the oldest go first)
 REQ, REP = 1, 2
 ASK, ANSWER = 3, 4        # a health question about another rail, and its answer (below)
+DROPPED = 1               # a REP's flag (its ``about`` field): the answering rank's end of
+                          # the pair's connection on this rail failed (``dropped``)
 MAGIC = b"NZPB"
 _HEAD = struct.Struct("!4sBBHIIII")     # magic, type, rail, 0, src, dst, session, seq
 TAG_BYTES = 16
@@ -63,7 +66,7 @@ SIZE = _HEAD.size + TAG_BYTES
 
 
 class _Burst:
-    __slots__ = ("session", "t0", "sent", "t_sent", "answered")
+    __slots__ = ("session", "t0", "sent", "t_sent", "answered", "dropped")
 
     def __init__(self, t0: float) -> None:
         self.session = secrets.randbits(32)
@@ -71,6 +74,7 @@ class _Burst:
         self.sent = 0
         self.t_sent = t0                          # when the last probe went out
         self.answered: Optional[float] = None     # when the first answer came
+        self.dropped = False       # the first answer said: its end of our connection failed
 
     def rtt(self) -> Optional[float]:
         """The first answer's delay: the round trip of the burst's first probe (the peer
@@ -86,15 +90,19 @@ class PathProber:
     """One rank's probe sockets (one per rail), its answers to the peers' probes, and its own
     bursts. ``endpoint(peer, rail)`` is where the peer listens on that rail (the rendezvous;
     None while its record is unread); ``blocked(peer, rail)`` is the engine's test hook for a
-    black-holed connection or a silenced rank (those move no probe either)."""
+    black-holed connection or a silenced rank (those move no probe either);
+    ``dropped(peer, rail)`` says whether our end of the connection to the peer on that rail
+    failed, which every answer to its probes there tells it (the engine's ``dropped``)."""
 
     def __init__(self, rank: int, rail_addrs: Sequence[tuple[str, int]], key: bytes,
                  endpoint: Callable[[int, int], tuple[str, int] | None],
-                 blocked: Callable[[int, int], bool] = lambda p, r: False) -> None:
+                 blocked: Callable[[int, int], bool] = lambda p, r: False,
+                 dropped: Callable[[int, int], bool] = lambda p, r: False) -> None:
         self.rank = rank
         self.key = auth.mac(key, b"nezha-probe-key")
         self.endpoint = endpoint
         self.blocked = blocked
+        self.dropped = dropped
         self.socks: list[Optional[socket.socket]] = []
         for addr, port in rail_addrs:
             s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
@@ -187,6 +195,14 @@ class PathProber:
             self.bursts.pop((peer, ref), None)
             self.inconclusive += 1
             return None
+
+    def peer_dropped(self, peer: int, rail: int, since: float) -> bool:
+        """The peer answered this rail's burst (one started at ``since`` or later: after our
+        connection there opened), saying its end of our connection there has failed: ours
+        is stale however well the path carries (health.Health._judge)."""
+        with self.lock:
+            b = self.bursts.get((peer, rail))
+            return b is not None and b.t0 >= since and b.answered is not None and b.dropped
 
     def describe(self, peer: int, rail: int, now: float) -> dict:
         """A burst as the event log shows it (ms since its start)."""
@@ -366,7 +382,9 @@ class PathProber:
                 continue
             if kind == REQ:
                 self.answered += 1
-                self._send(rail, addr, self._datagram(REP, rail, src, session, seq))
+                self._send(rail, addr, self._datagram(REP, rail, src, session, seq,
+                                                      about=DROPPED if self.dropped(src, rail)
+                                                      else 0))
                 continue
             if kind in (ASK, ANSWER):
                 self._on_question(kind, rail, addr, src, session, seq, about)
@@ -375,4 +393,5 @@ class PathProber:
                 b = self.bursts.get((src, rail))
                 if b is not None and b.session == session and b.answered is None:
                     b.answered = time.monotonic()
+                    b.dropped = about == DROPPED
                     self.heard.add(src)

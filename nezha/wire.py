@@ -93,6 +93,12 @@ assert HEADER_SIZE == 64
 
 MAX_PAYLOAD = 64 << 20          # one frame never carries more than this
 MAX_CONTROL_PAYLOAD = 64 << 10  # HELLO / AUTH / ABORT / CONTROL payloads
+# the answer to a peer's "arrivals?" or "acks?" (health.py) about a rail on which this rank's
+# end of the pair's connection has failed: the peer's end is stale, whatever its path probes
+# say (a host whose links all went down dropped its connections; the higher rank of each pair,
+# which dials, heard nothing of it and would learn only from its own TCP's back-off, seconds
+# after the links' return). Every other answer is below it (it fits a probe datagram's field).
+NO_CONNECTION = 0xFFFFFFFF
 
 
 class Header(NamedTuple):

@@ -139,6 +139,20 @@ faults:
     # (an iteration in flight, or the untimed barrier between two, waited it out)
     assert not any(start < t and t + ms / 1e3 < back for t, ms in its), its
     assert any(t + ms / 1e3 > back for t, ms in its if t + ms / 1e3 < back + 2.0), its
+    # every connection the outage broke is back within 1 s of the links' return (0.1 s in
+    # runs). h2 dropped its ends; h1 and h3 kept theirs, and learn they are stale from h2's
+    # answers (health.Health._stale), not from their TCP's back-off: that took 0.5-2.6 s
+    # after a 5 s outage and held the whole job meanwhile
+    from testbed.analysis.timeline import load_events
+    events = load_events(sorted((tmp_path / topo.name / "ranks").glob("*.events.jsonl")))
+    t_back = max(f.t_end for f in out.faults)
+    last: dict = {}
+    for e in events:
+        if e["event"] in ("rail_down", "rail_up") and e["t"] <= t_back + 1.0:
+            last[(e["rank"], e["peer"], e["rail"])] = e["event"]
+    assert last and all(v == "rail_up" for v in last.values()), last
+    late = [e for e in events if e["event"] == "rail_down" and e["t"] > t_back + 1.0]
+    assert not late, late
 
 
 @pytest.mark.timing

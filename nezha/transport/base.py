@@ -249,6 +249,8 @@ class Connection:
         self.aborting = False
         self.last_rx = time.monotonic()
         self.last_tx = self.last_rx
+        self.opened = self.last_rx    # (health.py: a probe's answer older than this is not
+                                      # about this connection)
         self.rx_bytes = 0
         self.rx_all = 0           # every byte read from the socket (headers included)
         self.rx_seen = -1         # rx_all when the health thread last looked (health.py)

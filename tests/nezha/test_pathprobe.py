@@ -425,11 +425,11 @@ def test_probes_on_a_rail_nothing_has_timed_yet_are_given_its_deepest_queue():
     bal = balance.Balancer(2, "nezha")
     prober = SimpleNamespace(heard={1}, first_asked={}, available=lambda rail: True,
                              ask=lambda *a, **k: None, verdict=verdict,
-                             describe=lambda *a: {})
+                             peer_dropped=lambda *a: False, describe=lambda *a: {})
     health = _two_rail_health(bal, prober)
     failed = []
     conn = SimpleNamespace(peer=1, rail=1, sock=None, tcp_info_ok=False, dead_why="",
-                           dead_t=0.0, fail=failed.append, tcp_moved=0.0, last_ack=0.0,
+                           dead_t=0.0, opened=0.0, fail=failed.append, tcp_moved=0.0, last_ack=0.0,
                            check_ok_t=0.0, rx_ok_t=0.0, last_rx=0.0, check_why="")
     health.dead(conn, "no progress for 28 ms with 1 chunks outstanding", t0)
     assert not health._judge(conn, t0 + 0.06) and not failed     # still waiting for it
