@@ -60,7 +60,8 @@ ASK, ANSWER = 3, 4        # a health question about another rail, and its answer
 DROPPED = 1               # a REP's flag (its ``about`` field): the answering rank's end of
                           # the pair's connection on this rail failed (``dropped``)
 MAGIC = b"NZPB"
-_HEAD = struct.Struct("!4sBBHIIII")     # magic, type, rail, 0, src, dst, session, seq
+_HEAD = struct.Struct("!4sBBHIIII")     # magic, type, rail, about, src, dst, session, seq
+# (about: 0 on a REQ; DROPPED or 0 on a REP; the question and its rail on an ASK or ANSWER)
 TAG_BYTES = 16
 SIZE = _HEAD.size + TAG_BYTES
 
