@@ -86,17 +86,11 @@ class Agreement:
     def arrivals_within(self, peer: int, rail: int, window: float) -> int:
         """Bytes that reached us from ``peer`` on ``rail`` in the last ``window`` s (at most
         5 s): the answer to its "arrivals?", as a CONTROL frame or a datagram (health.py);
-        wire.NO_CONNECTION if our end of that connection failed (``dropped``)."""
+        wire.NO_CONNECTION if our end of that connection failed (failover ``dropped``)."""
         c = self.conns.get((peer, rail))
         if c is None or not c.alive:
             return wire.NO_CONNECTION if self.dropped(peer, rail) else 0
         return min(c.arrived_within(min(max(window, 0.0), 5.0)), wire.NO_CONNECTION - 1)
-
-    def dropped(self, peer: int, rail: int) -> bool:
-        """Our end of the connection to ``peer`` on ``rail`` failed and no other has replaced
-        it: an end the peer still holds is stale."""
-        c = self.conns.get((peer, rail))
-        return (peer, rail) in self.dead and (c is None or not c.alive)
 
     def _relay(self, body: dict, came_from: int) -> None:
         """Pass a report new to this rank on to its ring neighbours (not back where it came

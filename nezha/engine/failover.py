@@ -65,6 +65,13 @@ class Failover:
             return
         self.rail_failed(conn, exc)
 
+    def dropped(self, peer: int, rail: int) -> bool:
+        """Our end of the connection to ``peer`` on ``rail`` failed (``rail_failed`` or the
+        peer's BYE) and no other has replaced it: an end the peer still holds is stale, which
+        our answers to its probes and questions tell it (health.py)."""
+        c = self.conns.get((peer, rail))
+        return (peer, rail) in self.dead and (c is None or not c.alive)
+
     def rail_failed(self, conn, exc):
         peer, rail = conn.peer, conn.rail
         with self.cond:

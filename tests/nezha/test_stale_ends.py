@@ -15,6 +15,7 @@ from test_pathprobe import KEY, _ports, _wait_verdict
 
 from nezha import wire
 from nezha.engine.agreement import Agreement
+from nezha.engine.failover import Failover
 from nezha.errors import PeerClosedError
 from nezha.health import Health
 from nezha.pathprobe import PathProber
@@ -29,7 +30,7 @@ def _engine(dead=(), conns=None, live=(0, 1)):
                           events=SimpleNamespace(emit=lambda *a, **k: None),
                           balancer=SimpleNamespace(est=[SimpleNamespace(a=0.0, b=1e-8)] * 2,
                                                    rs=SimpleNamespace(used_b=None, b=[nan] * 2)))
-    eng.dropped = lambda peer, rail: Agreement.dropped(eng, peer, rail)
+    eng.dropped = lambda peer, rail: Failover.dropped(eng, peer, rail)
     return eng
 
 
