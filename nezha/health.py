@@ -78,6 +78,7 @@ from .transport.tcpinfo import TcpInfo, tcp_info
 CHECK_MEMORY = 2.0     # s a peer's "bytes arrive" answer widens later questions (see check)
 WATCHDOG_FACTOR = 3.0
 WATCHDOG_NOMINAL_BPS = 12.5e6   # assumed rail speed (100 Mbit/s) before anything is measured
+SLOWEST_BPS = 125e3     # the slowest rail (1 Mbit/s) the limits wait on (measured_cost)
 PROBE_MIN, PROBE_MAX = 0.1, 1.0
 # a redial's connect waits this long, or its back-off step if longer (Health.probe). A SYN
 # lost because the peer's end of the link was not up yet is resent by the kernel only after
@@ -203,7 +204,12 @@ class Health:
 
     def measured_cost(self, rail: int) -> float | None:
         """The larger of this rank's estimate of ``rail`` and the agreed cost in use (the
-        last agreed table's while COLD), or None before anything has measured the rail."""
+        last agreed table's while COLD), or None before anything has measured the rail; at
+        most SLOWEST_BPS's. A rail that delivered nothing in an operation is charged about
+        1 byte over the operation's time (costs.ShareCosts.op_ended): right for the split,
+        which then gives it nothing, but not a rate to wait on. Every limit here grows with
+        the cost, and a black-holed rail charged 0.12 s per byte was given 4.5 hours to
+        answer a probe: it was never failed."""
         bal = self.eng.balancer
         rs = bal.rs
         used = rs.used_b        # read once: COLD sets it to None from the engine's thread
@@ -211,7 +217,7 @@ class Health:
         if not agreed > 0:                      # (nan > 0 is False)
             agreed = rs.b[rail]
         known = [x for x in (bal.est[rail].b, agreed) if x > 0]
-        return max(known) if known else None
+        return min(max(known), 1.0 / SLOWEST_BPS) if known else None
 
     def _guarded(self, loop: Callable[[], None]) -> None:
         """Run one of the health loops; an exception it did not expect is a bug, and the job

@@ -67,7 +67,7 @@ SIZE = _HEAD.size + TAG_BYTES
 
 
 class _Burst:
-    __slots__ = ("session", "t0", "sent", "t_sent", "answered", "dropped")
+    __slots__ = ("session", "t0", "sent", "t_sent", "answered", "dropped", "wait")
 
     def __init__(self, t0: float) -> None:
         self.session = secrets.randbits(32)
@@ -76,6 +76,7 @@ class _Burst:
         self.t_sent = t0                          # when the last probe went out
         self.answered: Optional[float] = None     # when the first answer came
         self.dropped = False       # the first answer said: its end of our connection failed
+        self.wait = 0.0            # the longest its verdict was asked to give its probes
 
     def rtt(self) -> Optional[float]:
         """The first answer's delay: the round trip of the burst's first probe (the peer
@@ -164,9 +165,21 @@ class PathProber:
                 if r is None or not self.available(r):
                     continue
                 b = self.bursts.get((peer, r))
-                if b is None or now - b.t0 >= PROBE_COUNT * PROBE_INTERVAL + PROBE_FRESH:
+                if b is None or self._replaceable(b, now):
                     self.bursts[(peer, r)] = _Burst(now)
         self._wake()
+
+    @staticmethod
+    def _replaceable(b: _Burst, now: float) -> bool:
+        """May ``ask`` replace the burst? Once its verdict is PROBE_FRESH old. An unanswered
+        burst's verdict comes only when its last probe was given the wait ``verdict`` was
+        asked for: replaced sooner, it would never come. A rail whose probes are given more
+        than PROBE_FRESH (the wait grows with the rail's cost: two 64 KiB segments, 105 ms
+        at 10 Mbit/s) was never found dead: every look started a new burst (a rail
+        black-holed in the first operation of 2 ranks, charged as the rail that delivered
+        nothing, was given 0.1-16000 s and still carried its shares when the job ended)."""
+        wait = 0.0 if b.answered is not None else b.wait
+        return now - b.t0 >= PROBE_COUNT * PROBE_INTERVAL + wait + PROBE_FRESH
 
     def verdict(self, peer: int, rail: int, now: float, ref: Optional[int] = None,
                 least: float = PROBE_TIMEOUT_MIN) -> Optional[bool]:
@@ -185,10 +198,12 @@ class PathProber:
             if b.answered is not None:
                 return True
             if ref is None or not self.available(ref):
+                b.wait = max(b.wait, least, PROBE_TIMEOUT_ALONE)
                 return False if b.over(now, max(least, PROBE_TIMEOUT_ALONE)) else None
             rb = self.bursts.get((peer, ref))
             if rb is not None and rb.answered is not None:
                 timeout = max(least, RTT_FACTOR * rb.rtt())
+                b.wait = max(b.wait, timeout)
                 return False if b.over(now, timeout) else None
             if rb is not None and not rb.over(now, PROBE_TIMEOUT_ALONE):
                 return None

@@ -1,9 +1,10 @@
 """Nezha's fault tolerance, measured by the testbed: for every fault kind on 2 and 4 hosts with 2
 and 3 rails, every result stays exact, no iteration is lost, detection and failover times are
 reported, failover stays under 200 ms for link-down and black hole, and a healed rail carries
-its share again within 2 s (the topology's verdict holds those bounds; this suite, which never
-reruns, fails beyond twice them: TIME_MARGIN) and, after a loss burst, keeps it to the end
-(HEALED_SHARE). A loaded but healthy rail (slowed to 10 %) is never declared dead."""
+its share again within 2 s (the topology's verdict holds those bounds; this suite fails beyond
+twice them, TIME_MARGIN, in timing tests apart from the exact results) and, after a loss
+burst, keeps it to the end (HEALED_SHARE). A loaded but healthy rail (slowed to 10 %) is never
+declared dead."""
 from __future__ import annotations
 
 import pytest
@@ -23,10 +24,11 @@ FAULTS = {
     "rate-collapse-1pct": ("{at: 3s, action: rate, target: r1, value: 2mbit, for: 3s}", False, False),
 }
 SHAPES = {"2x2": (2, 2), "2x3": (2, 3), "4x2": (4, 2), "4x3": (4, 3)}
-# The times this suite asserts, and the margin it allows over the topology's bound. The test
-# is not rerun (it checks exact results), and on a 2-core machine running 4 hosts a black hole
-# once measured 279 ms against its 200 ms bound; twice the bound still fails a real regression
-# (a detector falling back to the 1.5 s heartbeat, or to a 200 ms minimum RTO).
+# The times this suite asserts, and the margin it allows over the topology's bound: on a
+# 2-core machine running 4 hosts a black hole once measured 279 ms against its 200 ms bound;
+# twice the bound still fails a real regression (a detector falling back to the 1.5 s
+# heartbeat, or to a 200 ms minimum RTO). They are asserted apart from the exact results, by a
+# timing test that may rerun once (with a run of its own); the exact test never reruns.
 TIME_BOUNDS = {"failover_ms": 200, "detection_ms": 200, "recovery_ms": 2000}
 TIME_MARGIN = 2.0
 # After a loss burst the rail carries at least this part of an equal share outside the burst
@@ -52,12 +54,26 @@ def topology(kind: str, hosts: int, rails: int, rate: str = "200mbit") -> str:
             f"expect: {{{', '.join(expect)}}}\n")
 
 
+_RUNS: dict = {}      # (kind, shape) -> its run, shared by the exact and the timing test
+
+
+def _run(kind: str, shape: str, tmp_path, fresh: bool = False):
+    """The fault's run on the shape, once for both tests below; ``fresh``: run it again (a
+    rerun of the timing test measures a new run, never reuses the one that failed)."""
+    if fresh or (kind, shape) not in _RUNS:
+        hosts, rails = SHAPES[shape]
+        topo = spec.loads(topology(kind, hosts, rails))
+        _RUNS[(kind, shape)] = run_topology(topo, tmp_path / topo.name, say=lambda m: None)
+    return _RUNS[(kind, shape)]
+
+
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("kind", FAULTS)
 def test_fault_is_survived_exactly(kind, shape, tmp_path, no_leftovers):
-    hosts, rails = SHAPES[shape]
-    topo = spec.loads(topology(kind, hosts, rails))
-    out = run_topology(topo, tmp_path / topo.name, say=lambda m: None)
+    """Every result exact, no iteration lost, no rank error, the fault detected where it
+    must be, and every expectation of the topology but its time bounds met (the timing test
+    below holds those). Never rerun: a wrong result once in three runs is a bug."""
+    out = _run(kind, shape, tmp_path)
     m = out.metrics
     assert m["wrong_results"] == 0 and m["iterations_lost"] == 0, m.notes
     assert m["rank_errors"] == 0
@@ -66,15 +82,27 @@ def test_fault_is_survived_exactly(kind, shape, tmp_path, no_leftovers):
     assert m["failover_ms"] is not None or not FAULTS[kind][1], m.notes.get("failover_ms")
     others = [f for f in out.verdict.failures if not f.startswith(tuple(TIME_BOUNDS))]
     assert not others, "; ".join(others)
-    expected = spec.loads(topology(kind, hosts, rails)).sections["expect"]
+    if kind == "loss-burst-30":
+        share, rails = m["rail_share.r1"], SHAPES[shape][1]
+        assert share is not None and share >= HEALED_SHARE / rails, \
+            f"r1 carried {share} of the bytes outside the burst ({rails} equal rails)"
+
+
+@pytest.mark.timing
+@pytest.mark.flaky(reruns=1, reruns_delay=2)
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("kind", [k for k in FAULTS if any(
+    m in spec.loads(topology(k, 2, 2)).sections["expect"] for m in TIME_BOUNDS)])
+def test_fault_is_survived_in_time(kind, shape, tmp_path, request, no_leftovers):
+    """Detection, failover and recovery within TIME_MARGIN x the topology's bounds, on the
+    run the exact test above made (a rerun makes its own)."""
+    out = _run(kind, shape, tmp_path, fresh=getattr(request.node, "execution_count", 1) > 1)
+    m = out.metrics
+    expected = spec.loads(topology(kind, *SHAPES[shape])).sections["expect"]
     for metric, bound in TIME_BOUNDS.items():
         if metric in expected:
             assert m[metric] is not None, m.notes.get(metric)
             assert m[metric] <= TIME_MARGIN * bound, f"{metric}: {m[metric]:.0f} ms"
-    if kind == "loss-burst-30":
-        share = m["rail_share.r1"]
-        assert share is not None and share >= HEALED_SHARE / rails, \
-            f"r1 carried {share} of the bytes outside the burst ({rails} equal rails)"
 
 
 def test_a_slow_but_healthy_rail_stays_in_use(tmp_path, no_leftovers):

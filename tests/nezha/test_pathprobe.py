@@ -440,3 +440,79 @@ def test_probes_on_a_rail_nothing_has_timed_yet_are_given_its_deepest_queue():
     answer_after = float("inf")                                  # a black hole now
     health.dead(conn, "no progress for 28 ms with 1 chunks outstanding", t0)
     assert health._judge(conn, t0 + 0.06) and failed             # told within 60 ms
+
+
+def test_a_black_hole_is_found_dead_though_its_probes_wait_longer_than_a_verdict_stands(pair):
+    """A slow rail's probes are given two 64 KiB segments at its cost (105 ms at 10 Mbit/s),
+    more than PROBE_FRESH. Health asks for a burst on every look (every 10 ms): each ask
+    started a new burst before the old one's wait was over, and a black hole on such a rail
+    never got a verdict (2 ranks, a rail black-holed in the first operation: it carried its
+    shares until the job ended, 4 runs in 40)."""
+    a, _, holes, _ = pair
+    holes.add((0, 1))
+    least = 2 * pathprobe.PROBE_FRESH
+    t0 = time.monotonic()
+    verdict = None
+    while verdict is None and time.monotonic() - t0 < 2.0:
+        now = time.monotonic()
+        a.ask(1, 1, now, ref=0)
+        verdict = a.verdict(1, 1, now, ref=0, least=least)
+        time.sleep(0.01)
+    assert verdict is False
+    assert time.monotonic() - t0 >= least          # its probes were given their wait
+
+
+def test_a_rail_charged_as_delivering_nothing_is_still_judged_in_time():
+    """A rail none of whose own frames came in while hedge copies carried its shares is
+    charged about 1 byte over the operation (costs.ShareCosts.op_ended): 0.12 s per byte.
+    The watchdog's limit, the receiver's silence limit and the probes' wait all grow with
+    the cost, and such a rail was given hours: a black hole was never failed. They wait on
+    no rail slower than SLOWEST_BPS."""
+    from types import SimpleNamespace
+
+    from nezha import balance
+    from nezha import health as health_mod
+    bal = balance.Balancer(2, "nezha")
+    for _ in range(2):
+        bal.est[1].record_b(1, 0.12)
+    asked = []
+
+    def verdict(peer, rail, now, ref=None, least=0.0):
+        asked.append(least)
+    prober = SimpleNamespace(heard={1}, first_asked={}, available=lambda rail: True,
+                             ask=lambda *a, **k: None, verdict=verdict)
+    health = _two_rail_health(bal, prober)
+    slowest = (64 << 10) / health_mod.SLOWEST_BPS          # 0.52 s: 64 KiB at 1 Mbit/s
+    assert health.stall_limit(1) <= health_mod.WATCHDOG_FACTOR * (bal.est[1].a + slowest)
+    conn = SimpleNamespace(peer=1, rail=1, sock=None, tcp_info_ok=False, dead_why="",
+                           dead_t=0.0, fail=lambda e: None)
+    health.dead(conn, "no progress", 1000.0)
+    assert asked and asked[-1] <= 2 * slowest
+
+
+def test_bytes_that_hedge_copies_carried_are_still_owed_by_the_silent_rail():
+    """The receiver judges a silent rail only while it owes bytes of a message that the
+    other rails deliver. Counting the copies' bytes as paid, a rail whose every share was
+    rescued by copies (each within 13-70 ms) owed nothing between two looks and was never
+    judged, although the sender keeps its own copy outstanding (engine/hedge.py)."""
+    import numpy as np
+
+    from nezha.balance import Balancer
+    from nezha.config import Config
+    from nezha.engine import Engine
+    from nezha.engine.messages import Desc, RecvSlot
+    from nezha.events import Events
+    eng = Engine(0, 2, 2, Balancer(2), Events(0, 2, None), Config())
+    eng.conns[(1, 0)], eng.conns[(1, 1)] = object(), object()
+    total = 1 << 20
+    slot = RecvSlot((5, 0, 1), memoryview(np.zeros(total, "uint8")),
+                    Desc(kind=1, op_total=total))
+    share1 = sum(n for r, _, n in eng.balancer.split(total, 1, [0, 1], total) if r == 1)
+    assert share1 > 0
+    slot.rbytes = {0: total - share1, 1: 0}       # rail 0 delivered its share...
+    slot.copied = {1: share1 // 2}                # ...and half of rail 1's, as copies
+    eng.slots[slot.key] = slot
+    assert eng.share_due(1, 1)
+    slot.copied = {1: share1}                     # all of it: still rail 1's own debt
+    assert eng.share_due(1, 1)
+    assert not eng.share_due(1, 0)
