@@ -19,6 +19,8 @@ class TcpInfo(NamedTuple):
     retrans: int         # total retransmitted segments
     backoff: int         # RTO back-off count
     last_data_recv: float  # s since the last data segment arrived (the kernel's clock)
+    mss: int = 0           # sender's MSS, bytes (tcpi_snd_mss)
+    delivery_rate: float = 0.0   # bytes/s, the kernel's last delivery-rate sample
 
     @property
     def rto_base(self) -> float:
@@ -30,10 +32,10 @@ class TcpInfo(NamedTuple):
                 "unacked": self.unacked, "retrans": self.retrans, "backoff": self.backoff}
 
 
-# the fields at their offsets in struct tcp_info: tcpi_backoff (4), rto (8), unacked (24),
-# last_data_recv (52), last_ack_recv (56), rtt (68), snd_cwnd (80), total_retrans (100),
-# delivered (192)
-_FIELDS = struct.Struct("=4xB3xI12xI24xII8xI8xI16xI88xI")
+# the fields at their offsets in struct tcp_info: tcpi_backoff (4), rto (8), snd_mss (16),
+# unacked (24), last_data_recv (52), last_ack_recv (56), rtt (68), snd_cwnd (80),
+# total_retrans (100), delivery_rate (160, u64), delivered (192)
+_FIELDS = struct.Struct("=4xB3xI4xI4xI24xII8xI8xI16xI56xQ24xI")
 
 
 def tcp_info(sock) -> Optional[TcpInfo]:
@@ -44,8 +46,8 @@ def tcp_info(sock) -> Optional[TcpInfo]:
         return None
     if len(b) < 200:
         return None
-    (backoff, rto, unacked, last_data_recv, last_ack, rtt, cwnd, retrans,
+    (backoff, rto, mss, unacked, last_data_recv, last_ack, rtt, cwnd, retrans, rate,
      delivered) = _FIELDS.unpack_from(b)
     return TcpInfo(delivered=delivered, unacked=unacked, rto=rto / 1e6, last_ack=last_ack / 1e3,
                    rtt=rtt / 1e6, cwnd=cwnd, retrans=retrans, backoff=backoff,
-                   last_data_recv=last_data_recv / 1e3)
+                   last_data_recv=last_data_recv / 1e3, mss=mss, delivery_rate=float(rate))

@@ -516,3 +516,30 @@ def test_bytes_that_hedge_copies_carried_are_still_owed_by_the_silent_rail():
     slot.copied = {1: share1}                     # all of it: still rail 1's own debt
     assert eng.share_due(1, 1)
     assert not eng.share_due(1, 0)
+
+
+def test_probes_on_an_untimed_rail_wait_as_long_as_its_queue_takes_to_drain(monkeypatch):
+    """Before anything has timed a rail its probes got PROBE_TIMEOUT_UNTIMED, whatever the
+    rail: a black hole 3 s into a job on 4 hosts x 2 rails of 100 Mbit/s (the first
+    operations still untimed) was told 260 ms after it began. TCP has measured the rail by
+    then: the probes get twice the time its bytes in flight take to drain at that rate, and
+    never more than before (a 10 Mbit/s rail at MTU 9000 still gets its 250 ms)."""
+    from types import SimpleNamespace
+
+    from nezha import balance
+    from nezha import health as health_mod
+    from nezha.transport.tcpinfo import TcpInfo
+    info = {}
+    monkeypatch.setattr(health_mod, "tcp_info", lambda sock: info.get("ti"))
+    health = _two_rail_health(balance.Balancer(2, "nezha"), SimpleNamespace())
+    conn = SimpleNamespace(peer=1, rail=1, sock=object(), tcp_info_ok=True)
+
+    def ti(unacked, mss, rate, rtt=0.002):
+        return TcpInfo(delivered=0, unacked=unacked, rto=0.2, last_ack=0.0, rtt=rtt, cwnd=10,
+                       retrans=0, backoff=0, last_data_recv=0.0, mss=mss, delivery_rate=rate)
+    info["ti"] = ti(55, 1448, 12.5e6)                 # 100 Mbit/s, 80 KB in flight: 6.4 ms
+    assert 2 * 55 * 1448 / 12.5e6 <= health._probe_timeout(conn) <= 0.02
+    info["ti"] = ti(20, 8948, 1.25e6)                 # 10 Mbit/s at MTU 9000: 143 ms
+    assert health._probe_timeout(conn) == pytest.approx(health_mod.PROBE_TIMEOUT_UNTIMED)
+    info["ti"] = ti(55, 1448, 0.0)                    # no rate sample yet
+    assert health._probe_timeout(conn) == pytest.approx(health_mod.PROBE_TIMEOUT_UNTIMED)
