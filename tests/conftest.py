@@ -68,3 +68,19 @@ def no_leftovers():
     ours = [n for n in after_ns - before_ns - foreign if state.RUN_NS_RE.match(n)]
     assert not ours, f"namespaces left behind: {ours}"
     assert root_snapshot() == before_root, "the root namespace changed"
+
+
+@pytest.fixture(scope="session")
+def shared_run():
+    """One run for an exact test and a timing test of the same thing: ``shared_run(key,
+    make, request)`` returns ``make()``'s result, made once per ``key``. The exact test never
+    reruns; when the timing test reruns (``request`` of a second execution) the run is made
+    afresh, so a rerun measures a new run and never the one that failed."""
+    runs: dict = {}
+
+    def get(key, make, request=None):
+        rerun = request is not None and getattr(request.node, "execution_count", 1) > 1
+        if rerun or key not in runs:
+            runs[key] = make()
+        return runs[key]
+    return get

@@ -92,3 +92,28 @@ def test_exact_result():
     outcomes = result.parseoutcomes()
     assert outcomes.get("failed") == 2 and outcomes.get("rerun") == 1, outcomes
     assert result.stdout.str().count("test_example.py::test_rate") >= 1
+
+
+def test_a_shared_run_serves_both_tests_once_and_a_rerun_afresh(pytester, monkeypatch):
+    """tests/test_failover.py and tests/test_topologies.py hold one run's exact results and
+    its times in two tests (conftest ``shared_run``): the run is made once for both, and a
+    rerun of the timing test makes a new one, never judging the run that failed again."""
+    result = _conftest_run(pytester, monkeypatch, """
+import pytest
+
+made = []
+
+def make():
+    made.append(1)
+    return len(made)
+
+def test_exact(shared_run):
+    assert shared_run("k", make) == 1
+
+@pytest.mark.timing
+@pytest.mark.flaky(reruns=1, reruns_delay=0)
+def test_timed(shared_run, request):
+    assert shared_run("k", make, request) == 2     # run 1 is shared; its rerun makes run 2
+""")
+    outcomes = result.parseoutcomes()
+    assert outcomes.get("passed") == 2 and outcomes.get("rerun") == 1, outcomes

@@ -17,16 +17,12 @@ pytestmark = [pytest.mark.netns, pytest.mark.slow]
 TOPOLOGIES = sorted((Path(__file__).resolve().parent.parent / "topologies").glob("*.yaml"))
 # expectations a wrong byte or a lost iteration breaks, not the machine's speed
 EXACT = frozenset({"wrong_results", "iterations_lost", "rank_errors", "loss_matches_reference"})
-_RUNS: dict = {}      # topology path -> its run, shared by the two tests below
 
 
-def _run(path: Path, tmp_path, fresh: bool = False):
-    """The topology's run, once for both tests; ``fresh``: run it again (a rerun of the
-    timing test measures a new run, never the one that failed)."""
-    if fresh or path not in _RUNS:
-        topo = spec.load(path)
-        _RUNS[path] = run_topology(topo, tmp_path / topo.name, say=lambda m: None)
-    return _RUNS[path]
+def _run(path: Path, tmp_path):
+    """A callable that runs the topology (for the shared_run fixture)."""
+    topo = spec.load(path)
+    return lambda: run_topology(topo, tmp_path / topo.name, say=lambda m: None)
 
 
 def _failures(outcome, exact: bool) -> list[str]:
@@ -39,10 +35,11 @@ def _measured(path: Path) -> bool:
 
 
 @pytest.mark.parametrize("path", TOPOLOGIES, ids=lambda p: p.stem)
-def test_shipped_topology_meets_its_exact_expectations(path, tmp_path, no_leftovers):
+def test_shipped_topology_meets_its_exact_expectations(path, tmp_path, shared_run,
+                                                       no_leftovers):
     topo = spec.load(path)
     assert topo.sections.get("expect"), f"{path.name} states no expectations"
-    outcome = _run(path, tmp_path)
+    outcome = shared_run(path, _run(path, tmp_path))
     failed = _failures(outcome, exact=True)
     assert not failed, f"{path.name}: " + "; ".join(failed)
     assert (outcome.results_dir / "throughput.png").stat().st_size > 0
@@ -51,8 +48,8 @@ def test_shipped_topology_meets_its_exact_expectations(path, tmp_path, no_leftov
 @pytest.mark.timing
 @pytest.mark.flaky(reruns=1, reruns_delay=2)
 @pytest.mark.parametrize("path", [p for p in TOPOLOGIES if _measured(p)], ids=lambda p: p.stem)
-def test_shipped_topology_meets_its_measured_expectations(path, tmp_path, request,
+def test_shipped_topology_meets_its_measured_expectations(path, tmp_path, shared_run, request,
                                                           no_leftovers):
-    outcome = _run(path, tmp_path, fresh=getattr(request.node, "execution_count", 1) > 1)
+    outcome = shared_run(path, _run(path, tmp_path), request)
     failed = _failures(outcome, exact=False)
     assert not failed, f"{path.name}: " + "; ".join(failed)
